@@ -1,0 +1,70 @@
+// CPU kernels: the operations of a MoE transformer forward pass on F32 activations.
+// Weights may be F32, F16, BF16 or Q8_0 (read in place from the mapping). Threaded with OpenMP;
+// SIMD paths chosen at run time from the CPU's features. Reference semantics: HF transformers
+// (modeling_qwen3_moe.py, modeling_mixtral.py) and ggml (ggml-cpu/ops.cpp).
+#pragma once
+
+#include "core/dtype.h"
+#include "core/tensor.h"
+
+#include <cstdint>
+
+namespace prescope::cpu {
+
+/// Sets the number of threads the kernels use (OpenMP and OpenBLAS). n <= 0: physical cores.
+void set_threads(int n);
+/// Threads the kernels use now.
+int get_threads();
+/// Physical cores of this machine (from /sys topology; falls back to hardware_concurrency).
+int physical_cores();
+
+/// y[t][o] = sum_i W[o][i] * x[t][i] for t < n_tok, o < n_out.
+/// W: n_out rows of n_in elements of dtype `type`, packed (row o at w + o * dtype_row_bytes(type, n_in));
+/// n_in must be a multiple of the dtype's block size. x: [n_tok][n_in] F32, y: [n_tok][n_out] F32
+/// (overwritten). Activations stay F32 (weights are converted, not activations quantized).
+/// Threaded over output rows; safe to call from inside an OpenMP parallel region (runs serially).
+void matmul(DType type, const void *w, int64_t n_in, int64_t n_out, const float *x, int64_t n_tok, float *y);
+
+/// matmul over matrix m of a weight tensor (ne[0] = n_in, ne[1] = n_out).
+inline void matmul(const TensorView &w, const float *x, int64_t n_tok, float *y, int64_t m = 0) {
+    matmul(w.type, w.matrix(m), w.ne[0], w.ne[1], x, n_tok, y);
+}
+
+/// y[t][o] += b[o] for a bias b of n_out F32 values.
+void add_bias(float *y, const float *b, int64_t n_tok, int64_t n_out);
+
+/// Embedding lookup: out[t] = row ids[t] of `table` (ne[0] = n_embd, ne[1] = n_vocab), as F32.
+/// ids must be < ne[1] (callers validate token ids first).
+void get_rows(const TensorView &table, const int32_t *ids, int64_t n_tok, float *out);
+
+/// RMSNorm (HF Qwen3MoeRMSNorm / ggml_rms_norm then mul): y = x / sqrt(mean(x^2) + eps) * w,
+/// over n_rows rows of n elements each. w: n F32 values. y may alias x.
+void rms_norm(const float *x, const float *w, int64_t n_rows, int64_t n, float eps, float *y);
+
+/// Rotary position embedding variants (llama.cpp LLAMA_ROPE_TYPE_NORM / NEOX).
+enum class RopeMode {
+    NORM,  // rotates pairs (x[2i], x[2i+1]) (llama, Mixtral GGUF with permuted q/k)
+    NEOX,  // rotates pairs (x[i], x[i + d/2]) (HF rotate_half: Qwen2/3-MoE, OLMoE)
+};
+/// Rotates x: [n_tok][n_head][head_dim] in place; token t sits at position pos[t].
+/// theta_i = pos * freq_base^(-2i/head_dim), i < head_dim/2.
+void rope(float *x, int64_t n_tok, int64_t n_head, int64_t head_dim, const int32_t *pos, float freq_base,
+          RopeMode mode);
+
+/// Causal grouped-query attention of n_tok new queries at positions [pos0, pos0 + n_tok).
+/// q: [n_tok][n_head][head_dim]; k_cache, v_cache: [>= pos0 + n_tok][n_head_kv][head_dim] holding
+/// every position up to pos0 + n_tok - 1; out: [n_tok][n_head][head_dim].
+/// Query head h uses KV head h / (n_head / n_head_kv). scores = q.k * scale, softmax in F32.
+void attention(const float *q, const float *k_cache, const float *v_cache, int64_t n_tok, int64_t pos0,
+               int64_t n_head, int64_t n_head_kv, int64_t head_dim, float scale, float *out);
+
+/// In-place softmax over each of n_rows rows of n values (max-subtracted, F32).
+void softmax(float *x, int64_t n_rows, int64_t n);
+
+/// out[i] = silu(gate[i]) * up[i], silu(x) = x / (1 + exp(-x)); n elements. out may alias gate.
+void swiglu(const float *gate, const float *up, float *out, int64_t n);
+
+/// The k largest of n scores: ids in descending score order (ties: lower index first), values too.
+void top_k(const float *scores, int64_t n, int64_t k, int32_t *ids, float *values);
+
+} // namespace prescope::cpu

@@ -1,0 +1,3 @@
+#include "format/gguf.h"
+#include <gtest/gtest.h>
+TEST(Gguf, Placeholder) { SUCCEED(); }
