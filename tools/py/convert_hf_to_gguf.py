@@ -1,0 +1,412 @@
+#!/usr/bin/env python3
+# Converts an HF Mixture-of-Experts checkpoint (config.json + *.safetensors + tokenizer) into a GGUF file that
+# both llama.cpp and PreScope load. Our own code over the `gguf` package; conventions follow llama.cpp's converter.
+"""HF safetensors -> GGUF for qwen3moe, qwen2moe, llama (Mixtral) and olmoe.
+
+Usage:
+    python3 tools/py/convert_hf_to_gguf.py HF_DIR --outtype f32|f16|bf16|q8_0 --outfile OUT.gguf [--pre qwen2]
+
+Conventions (each checked against llama.cpp d32676d77, conversion/{base,llama,qwen,olmo}.py):
+- Experts are stacked into ffn_{gate,up,down}_exps with numpy shape [n_expert, rows, cols], i.e. ggml
+  ne = {cols, rows, n_expert}: the expert index is the slowest dimension.
+- 1-D tensors, *_norm.weight, biases and the routers ffn_gate_inp / ffn_gate_inp_shexp stay F32;
+  every other 2-D/3-D weight gets --outtype (Q8_0 via gguf.quants; a row not divisible by 32 falls back to
+  F16 with a warning, as llama.cpp does).
+- Mixtral (llama arch) q_proj/k_proj rows are permuted per head from HF's rotate-half order to the
+  interleaved pair order that ggml's NORM RoPE expects (llama.cpp LlamaModel.permute).
+- `{arch}.expert_weights_norm` carries HF norm_topk_prob (Mixtral: always true). llama.cpp reads this key
+  only for deepseek-style archs and ignores it here; PreScope reads it.
+Errors are one line naming the file and the tensor or key, and exit with status 1.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+import gguf
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gguf_vocab  # noqa: E402
+
+log = logging.getLogger("convert_hf_to_gguf")
+
+OUTTYPES = {
+    "f32": (gguf.GGMLQuantizationType.F32, gguf.LlamaFileType.ALL_F32),
+    "f16": (gguf.GGMLQuantizationType.F16, gguf.LlamaFileType.MOSTLY_F16),
+    "bf16": (gguf.GGMLQuantizationType.BF16, gguf.LlamaFileType.MOSTLY_BF16),
+    "q8_0": (gguf.GGMLQuantizationType.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
+}
+
+
+class ConvertError(Exception):
+    """A checkpoint we cannot convert; str() is the one-line message shown to the user."""
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """How one HF architecture maps onto a GGUF architecture.
+
+    moe_prefix: the HF module holding router and experts ("mlp" or "block_sparse_moe").
+    expert_names: HF names of the (gate, up, down) expert projections.
+    permute_qk: reorder q/k rows for NORM (interleaved) RoPE; False for the NEOX-RoPE archs.
+    """
+    gguf_arch: str
+    default_pre: str
+    moe_prefix: str
+    expert_names: tuple[str, str, str]
+    permute_qk: bool
+    qk_norm: str | None  # None, "head" (per-head RMSNorm over head_dim) or "full" (over all heads, OLMoE)
+    shared_expert: bool
+    attn_bias: bool
+    output_required: bool  # llama.cpp's loader has no tied-embedding fallback for this arch
+
+
+ARCHS: dict[str, ArchSpec] = {
+    "Qwen3MoeForCausalLM": ArchSpec("qwen3moe", "qwen2", "mlp", ("gate_proj", "up_proj", "down_proj"),
+                                    permute_qk=False, qk_norm="head", shared_expert=False, attn_bias=False,
+                                    output_required=False),
+    "Qwen2MoeForCausalLM": ArchSpec("qwen2moe", "qwen2", "mlp", ("gate_proj", "up_proj", "down_proj"),
+                                    permute_qk=False, qk_norm=None, shared_expert=True, attn_bias=True,
+                                    output_required=True),
+    "MixtralForCausalLM": ArchSpec("llama", "llama-bpe", "block_sparse_moe", ("w1", "w3", "w2"),
+                                   permute_qk=True, qk_norm=None, shared_expert=False, attn_bias=False,
+                                   output_required=False),
+    "OlmoeForCausalLM": ArchSpec("olmoe", "llama-bpe", "mlp", ("gate_proj", "up_proj", "down_proj"),
+                                 permute_qk=False, qk_norm="full", shared_expert=False, attn_bias=False,
+                                 output_required=True),
+}
+
+
+@dataclass
+class HParams:
+    """The config.json values the converter needs, validated."""
+    n_vocab: int
+    n_embd: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    head_dim_explicit: bool
+    n_ctx: int
+    n_ff: int
+    n_ff_exp: int | None
+    n_ff_shexp: int | None
+    n_expert: int
+    n_expert_used: int
+    rope_theta: float
+    rms_eps: float
+    norm_topk_prob: bool
+    tied: bool
+
+
+def _cfg(config: dict[str, Any], path: Path, *keys: str, default: Any = ..., kind: type = int) -> Any:
+    for k in keys:
+        if config.get(k) is not None:
+            v = config[k]
+            if kind is float and isinstance(v, int):
+                v = float(v)
+            if not isinstance(v, kind) or isinstance(v, bool) != (kind is bool):
+                raise ConvertError(f"{path}: key {k!r} is {v!r}, expected {kind.__name__}")
+            return v
+    if default is ...:
+        raise ConvertError(f"{path}: missing key {' or '.join(repr(k) for k in keys)}")
+    return default
+
+
+def read_hparams(config: dict[str, Any], path: Path, hf_arch: str) -> HParams:
+    """Reads and checks config.json; rejects features the GGUF architectures cannot express."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", None):
+        raise ConvertError(f"{path}: rope type {rope_type!r} is not supported (only unscaled RoPE)")
+    rope_theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+    if config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1:
+        raise ConvertError(f"{path}: dense layers (mlp_only_layers / decoder_sparse_step) are not supported")
+    if config.get("clip_qkv") is not None:
+        raise ConvertError(f"{path}: clip_qkv={config['clip_qkv']} is not supported")
+    n_embd = _cfg(config, path, "hidden_size")
+    n_head = _cfg(config, path, "num_attention_heads")
+    head_dim = config.get("head_dim")
+    spec = ARCHS[hf_arch]
+    norm_topk = True if hf_arch == "MixtralForCausalLM" else _cfg(config, path, "norm_topk_prob", kind=bool)
+    hp = HParams(
+        n_vocab=_cfg(config, path, "vocab_size"),
+        n_embd=n_embd,
+        n_layer=_cfg(config, path, "num_hidden_layers"),
+        n_head=n_head,
+        n_head_kv=_cfg(config, path, "num_key_value_heads", default=n_head),
+        head_dim=head_dim if isinstance(head_dim, int) else n_embd // n_head,
+        head_dim_explicit=isinstance(head_dim, int),
+        n_ctx=_cfg(config, path, "max_position_embeddings"),
+        n_ff=_cfg(config, path, "intermediate_size"),
+        n_ff_exp=_cfg(config, path, "moe_intermediate_size", default=None),
+        n_ff_shexp=_cfg(config, path, "shared_expert_intermediate_size", default=None),
+        n_expert=_cfg(config, path, "num_local_experts", "num_experts"),
+        n_expert_used=_cfg(config, path, "num_experts_per_tok"),
+        rope_theta=float(rope_theta),
+        rms_eps=_cfg(config, path, "rms_norm_eps", kind=float),
+        norm_topk_prob=norm_topk,
+        tied=bool(config.get("tie_word_embeddings", False)),
+    )
+    if hp.n_head % hp.n_head_kv != 0:
+        raise ConvertError(f"{path}: num_attention_heads {hp.n_head} is not a multiple of "
+                           f"num_key_value_heads {hp.n_head_kv}")
+    if not 0 < hp.n_expert_used <= hp.n_expert:
+        raise ConvertError(f"{path}: num_experts_per_tok {hp.n_expert_used} not in 1..{hp.n_expert}")
+    if spec.shared_expert and hp.n_ff_shexp is None:
+        raise ConvertError(f"{path}: missing key 'shared_expert_intermediate_size'")
+    return hp
+
+
+class TensorSource:
+    """Lazy access to every tensor of the checkpoint's *.safetensors files, as float32 numpy arrays."""
+
+    def __init__(self, hf_dir: Path):
+        from safetensors import safe_open
+
+        files = sorted(hf_dir.glob("*.safetensors"))
+        if not files:
+            raise ConvertError(f"{hf_dir}: no *.safetensors files")
+        self._where: dict[str, Path] = {}
+        self._handles = {}
+        for f in files:
+            h = safe_open(str(f), framework="pt")
+            self._handles[f] = h
+            for k in h.keys():
+                if k in self._where:
+                    raise ConvertError(f"{f}: tensor {k!r} also in {self._where[k]}")
+                self._where[k] = f
+        self.used: set[str] = set()
+
+    def names(self) -> set[str]:
+        return set(self._where)
+
+    def has(self, name: str) -> bool:
+        return name in self._where
+
+    def file_of(self, name: str) -> Path:
+        return self._where[name]
+
+    def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        """The tensor as float32, checked to have `shape`; errors name the file and tensor."""
+        if name not in self._where:
+            raise ConvertError(f"{next(iter(self._handles))}: missing tensor {name!r}")
+        t = self._handles[self._where[name]].get_tensor(name)
+        if tuple(t.shape) != shape:
+            raise ConvertError(f"{self._where[name]}: tensor {name!r} has shape {tuple(t.shape)}, "
+                               f"expected {shape}")
+        self.used.add(name)
+        return t.float().numpy()
+
+
+def permute_for_norm_rope(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Rows of each head from HF rotate-half order [x0..x(d/2-1), y0..] to interleaved [x0, y0, x1, y1, ...].
+
+    Shape [n_head * head_dim, ...] in and out. Same mapping as llama.cpp LlamaModel.permute (reshape to
+    (n_head, 2, head_dim/2, ...), swap axes 1 and 2).
+    """
+    rows = w.shape[0]
+    return (w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
+
+
+def _expert_stack(src: TensorSource, hp: HParams, layer: int, spec: ArchSpec, n_ff_exp: int
+                  ) -> dict[str, np.ndarray]:
+    """{"gate","up","down"} -> [n_expert, rows, cols] from per-expert tensors or fused 3-D HF tensors."""
+    pre = f"model.layers.{layer}.{spec.moe_prefix}.experts"
+    fused_gu = f"{pre}.gate_up_proj"
+    if src.has(fused_gu) or src.has(fused_gu + ".weight"):
+        # transformers >= 5 in-memory layout: gate_up [E, 2*F, D] (gate rows first), down [E, D, F].
+        gu_name = fused_gu if src.has(fused_gu) else fused_gu + ".weight"
+        dn_name = f"{pre}.down_proj" if src.has(f"{pre}.down_proj") else f"{pre}.down_proj.weight"
+        gu = src.get(gu_name, (hp.n_expert, 2 * n_ff_exp, hp.n_embd))
+        return {"gate": np.ascontiguousarray(gu[:, :n_ff_exp]), "up": np.ascontiguousarray(gu[:, n_ff_exp:]),
+                "down": src.get(dn_name, (hp.n_expert, hp.n_embd, n_ff_exp))}
+    g_name, u_name, d_name = spec.expert_names
+    out = {}
+    for key, hf, shape in (("gate", g_name, (n_ff_exp, hp.n_embd)), ("up", u_name, (n_ff_exp, hp.n_embd)),
+                           ("down", d_name, (hp.n_embd, n_ff_exp))):
+        out[key] = np.stack([src.get(f"{pre}.{e}.{hf}.weight", shape) for e in range(hp.n_expert)])
+    return out
+
+
+def gguf_tensors(src: TensorSource, hp: HParams, spec: ArchSpec) -> Iterator[tuple[str, np.ndarray]]:
+    """(GGUF name, float32 array in HF [rows, cols] order) for every tensor of the model, in file order."""
+    q_dim = hp.n_head * hp.head_dim
+    kv_dim = hp.n_head_kv * hp.head_dim
+    n_ff_exp = hp.n_ff_exp if hp.n_ff_exp is not None else hp.n_ff
+    yield "token_embd.weight", src.get("model.embed_tokens.weight", (hp.n_vocab, hp.n_embd))
+    for i in range(hp.n_layer):
+        p = f"model.layers.{i}"
+        b = f"blk.{i}"
+        yield f"{b}.attn_norm.weight", src.get(f"{p}.input_layernorm.weight", (hp.n_embd,))
+        q = src.get(f"{p}.self_attn.q_proj.weight", (q_dim, hp.n_embd))
+        k = src.get(f"{p}.self_attn.k_proj.weight", (kv_dim, hp.n_embd))
+        if spec.permute_qk:
+            q = permute_for_norm_rope(q, hp.n_head)
+            k = permute_for_norm_rope(k, hp.n_head_kv)
+        yield f"{b}.attn_q.weight", q
+        yield f"{b}.attn_k.weight", k
+        yield f"{b}.attn_v.weight", src.get(f"{p}.self_attn.v_proj.weight", (kv_dim, hp.n_embd))
+        if spec.attn_bias:
+            yield f"{b}.attn_q.bias", src.get(f"{p}.self_attn.q_proj.bias", (q_dim,))
+            yield f"{b}.attn_k.bias", src.get(f"{p}.self_attn.k_proj.bias", (kv_dim,))
+            yield f"{b}.attn_v.bias", src.get(f"{p}.self_attn.v_proj.bias", (kv_dim,))
+        yield f"{b}.attn_output.weight", src.get(f"{p}.self_attn.o_proj.weight", (hp.n_embd, q_dim))
+        if spec.qk_norm == "head":
+            yield f"{b}.attn_q_norm.weight", src.get(f"{p}.self_attn.q_norm.weight", (hp.head_dim,))
+            yield f"{b}.attn_k_norm.weight", src.get(f"{p}.self_attn.k_norm.weight", (hp.head_dim,))
+        elif spec.qk_norm == "full":
+            yield f"{b}.attn_q_norm.weight", src.get(f"{p}.self_attn.q_norm.weight", (q_dim,))
+            yield f"{b}.attn_k_norm.weight", src.get(f"{p}.self_attn.k_norm.weight", (kv_dim,))
+        yield f"{b}.ffn_norm.weight", src.get(f"{p}.post_attention_layernorm.weight", (hp.n_embd,))
+        m = f"{p}.{spec.moe_prefix}"
+        yield f"{b}.ffn_gate_inp.weight", src.get(f"{m}.gate.weight", (hp.n_expert, hp.n_embd))
+        ex = _expert_stack(src, hp, i, spec, n_ff_exp)
+        yield f"{b}.ffn_gate_exps.weight", ex["gate"]
+        yield f"{b}.ffn_up_exps.weight", ex["up"]
+        yield f"{b}.ffn_down_exps.weight", ex["down"]
+        if spec.shared_expert:
+            f = hp.n_ff_shexp
+            yield f"{b}.ffn_gate_inp_shexp.weight", src.get(f"{m}.shared_expert_gate.weight", (1, hp.n_embd))
+            yield f"{b}.ffn_gate_shexp.weight", src.get(f"{m}.shared_expert.gate_proj.weight", (f, hp.n_embd))
+            yield f"{b}.ffn_up_shexp.weight", src.get(f"{m}.shared_expert.up_proj.weight", (f, hp.n_embd))
+            yield f"{b}.ffn_down_shexp.weight", src.get(f"{m}.shared_expert.down_proj.weight", (hp.n_embd, f))
+    yield "output_norm.weight", src.get("model.norm.weight", (hp.n_embd,))
+    if src.has("lm_head.weight"):
+        yield "output.weight", src.get("lm_head.weight", (hp.n_vocab, hp.n_embd))
+    elif not hp.tied:
+        raise ConvertError(f"{src.file_of('model.embed_tokens.weight')}: missing tensor 'lm_head.weight' "
+                           f"(tie_word_embeddings is false)")
+    elif spec.output_required:
+        # llama.cpp's loader for this arch has no fallback to token_embd, so store the tied head explicitly.
+        yield "output.weight", src.get("model.embed_tokens.weight", (hp.n_vocab, hp.n_embd))
+
+
+def storage_type(name: str, data: np.ndarray, outtype: gguf.GGMLQuantizationType) -> gguf.GGMLQuantizationType:
+    """The GGML type a tensor is stored in (llama.cpp ModelBase.prepare_tensors' rules for these archs)."""
+    if data.ndim <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight"):
+        return gguf.GGMLQuantizationType.F32
+    if re.search(r"\.ffn_gate_inp(_shexp)?\.weight$", name):
+        return gguf.GGMLQuantizationType.F32
+    return outtype
+
+
+def encode(name: str, data: np.ndarray, qtype: gguf.GGMLQuantizationType
+           ) -> tuple[np.ndarray, gguf.GGMLQuantizationType]:
+    """The bytes (or typed array) to store; Q8_0 rows that are not whole blocks fall back to F16."""
+    try:
+        return gguf.quants.quantize(data, qtype), qtype
+    except gguf.QuantError as e:
+        log.warning("%s: %s, storing F16", name, e)
+        return gguf.quants.quantize(data, gguf.GGMLQuantizationType.F16), gguf.GGMLQuantizationType.F16
+
+
+def write_hparams(w: gguf.GGUFWriter, hp: HParams, spec: ArchSpec, ftype: gguf.LlamaFileType) -> None:
+    """Architecture keys as llama.cpp's TextModel.set_gguf_parameters and the per-arch subclasses write them."""
+    w.add_block_count(hp.n_layer)
+    w.add_context_length(hp.n_ctx)
+    w.add_embedding_length(hp.n_embd)
+    w.add_feed_forward_length(hp.n_ff)
+    w.add_head_count(hp.n_head)
+    w.add_head_count_kv(hp.n_head_kv)
+    w.add_rope_freq_base(hp.rope_theta)
+    w.add_layer_norm_rms_eps(hp.rms_eps)
+    w.add_expert_count(hp.n_expert)
+    w.add_expert_used_count(hp.n_expert_used)
+    if hp.head_dim_explicit:
+        w.add_key_length(hp.head_dim)
+        w.add_value_length(hp.head_dim)
+    if hp.n_ff_exp is not None:
+        w.add_expert_feed_forward_length(hp.n_ff_exp)
+    if spec.shared_expert:
+        w.add_expert_shared_feed_forward_length(hp.n_ff_shexp)
+    if spec.gguf_arch == "llama":
+        w.add_vocab_size(hp.n_vocab)
+        w.add_rope_dimension_count(hp.head_dim)
+    w.add_expert_weights_norm(hp.norm_topk_prob)
+    w.add_file_type(ftype)
+
+
+def convert(hf_dir: Path, outfile: Path, outtype: str, pre: str | None = None, name: str | None = None,
+            alignment: int = 32) -> None:
+    """Converts one checkpoint directory; raises ConvertError (one line) on any problem."""
+    config_path = hf_dir / "config.json"
+    if not config_path.is_file():
+        raise ConvertError(f"{config_path}: not found")
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ConvertError(f"{config_path}: invalid JSON: {e}") from e
+    archs = config.get("architectures") or []
+    hf_arch = next((a for a in archs if a in ARCHS), None)
+    if hf_arch is None:
+        raise ConvertError(f"{config_path}: architectures {archs} not supported "
+                           f"(expected one of {', '.join(ARCHS)})")
+    spec = ARCHS[hf_arch]
+    hp = read_hparams(config, config_path, hf_arch)
+    qtype, ftype = OUTTYPES[outtype]
+    src = TensorSource(hf_dir)
+
+    w = gguf.GGUFWriter(str(outfile), spec.gguf_arch)
+    w.add_custom_alignment(alignment)
+    w.add_type(gguf.GGUFType.MODEL)
+    w.add_name(name or hf_dir.name)
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    write_hparams(w, hp, spec, ftype)
+    tok_pre = pre
+    if tok_pre is None and not (hf_dir / "tokenizer.model").is_file() and (hf_dir / "tokenizer.json").is_file():
+        tok_pre = gguf_vocab.detect_bpe_pre(hf_dir / "tokenizer.json") or spec.default_pre
+    try:
+        gguf_vocab.add_tokenizer(w, hf_dir, tok_pre, hp.n_vocab)
+    except gguf_vocab.VocabError as e:
+        raise ConvertError(str(e)) from e
+
+    for gname, data in gguf_tensors(src, hp, spec):
+        stored, t = encode(gname, data, storage_type(gname, data, qtype))
+        w.add_tensor(gname, stored, raw_dtype=t)
+        log.info("%-28s %-14s -> %s", gname, "x".join(map(str, data.shape)), t.name)
+    unused = sorted(n for n in src.names() - src.used if not n.endswith("rotary_emb.inv_freq"))
+    if unused:
+        raise ConvertError(f"{src.file_of(unused[0])}: tensor {unused[0]!r} is not used by {spec.gguf_arch} "
+                           f"({len(unused)} unused in all)")
+
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("hf_dir", type=Path, help="directory with config.json, *.safetensors and a tokenizer")
+    ap.add_argument("--outtype", choices=sorted(OUTTYPES), default="f32")
+    ap.add_argument("--outfile", type=Path, required=True)
+    ap.add_argument("--pre", help="BPE pre-tokenizer name (qwen2, llama-bpe); default: detected from "
+                                  "tokenizer.json's regex, else the architecture's default")
+    ap.add_argument("--name", help="general.name (default: the directory name)")
+    ap.add_argument("--alignment", type=int, default=32, help="general.alignment in bytes (power of two)")
+    ap.add_argument("-v", "--verbose", action="store_true")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    if args.alignment <= 0 or args.alignment & (args.alignment - 1):
+        print(f"error: --alignment {args.alignment} is not a power of two", file=sys.stderr)
+        return 1
+    try:
+        convert(args.hf_dir, args.outfile, args.outtype, args.pre, args.name, args.alignment)
+    except ConvertError as e:
+        args.outfile.unlink(missing_ok=True)
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
