@@ -18,12 +18,42 @@ int get_threads();
 /// Physical cores of this machine (from /sys topology; falls back to hardware_concurrency).
 int physical_cores();
 
+/// Instruction sets of the kernels' inner loops, in increasing order. Chosen at run time from the
+/// CPU's features (docs/decisions/0010-cpu-kernels.md); every op gives the same results on each up to
+/// F32 rounding.
+enum class CpuIsa {
+    SCALAR,  // portable C++
+    AVX2,    // AVX2 + FMA + F16C
+    AVX512,  // AVX-512F (+ the AVX2 set)
+};
+/// Best ISA this CPU (and OS) supports.
+CpuIsa cpu_isa_supported();
+/// ISA the kernels use now: cpu_isa_supported(), or lower when set_cpu_isa or the environment
+/// variable PRESCOPE_CPU_ISA (scalar, avx2, avx512) asked for it.
+CpuIsa get_cpu_isa();
+/// Selects the ISA (tests and benchmarks compare them). Throws Error if the CPU lacks it.
+void set_cpu_isa(CpuIsa isa);
+/// "scalar", "avx2", "avx512".
+const char *cpu_isa_name(CpuIsa isa);
+
 /// y[t][o] = sum_i W[o][i] * x[t][i] for t < n_tok, o < n_out.
 /// W: n_out rows of n_in elements of dtype `type`, packed (row o at w + o * dtype_row_bytes(type, n_in));
 /// n_in must be a multiple of the dtype's block size. x: [n_tok][n_in] F32, y: [n_tok][n_out] F32
 /// (overwritten). Activations stay F32 (weights are converted, not activations quantized).
 /// Threaded over output rows; safe to call from inside an OpenMP parallel region (runs serially).
 void matmul(DType type, const void *w, int64_t n_in, int64_t n_out, const float *x, int64_t n_tok, float *y);
+
+/// One product of a batched matmul: y = W x with W at w (n_out rows), x: [n_tok][n_in], y: [n_tok][n_out].
+struct MatmulJob {
+    const void *w;     // weights (e.g. one expert's matrix inside the mapping)
+    const float *x;    // [n_tok][n_in] F32
+    int64_t n_tok;     // may be 0 (job skipped)
+    float *y;          // [n_tok][n_out] F32, overwritten
+};
+/// Several matmuls of one dtype and shape (e.g. the experts of one layer, each with the tokens
+/// routed to it) in one parallel region, the rows of all jobs shared out among the threads. Same
+/// results as calling matmul once per job. Safe inside an OpenMP parallel region (runs serially).
+void matmul_batch(DType type, int64_t n_in, int64_t n_out, const MatmulJob *jobs, int64_t n_jobs);
 
 /// matmul over matrix m of a weight tensor (ne[0] = n_in, ne[1] = n_out).
 inline void matmul(const TensorView &w, const float *x, int64_t n_tok, float *y, int64_t m = 0) {
@@ -32,6 +62,11 @@ inline void matmul(const TensorView &w, const float *x, int64_t n_tok, float *y,
 
 /// y[t][o] += b[o] for a bias b of n_out F32 values.
 void add_bias(float *y, const float *b, int64_t n_tok, int64_t n_out);
+
+/// Writes n F32 values as a row of dtype t (dtype_row_bytes(t, n) bytes at dst) with core/dtype.h's
+/// conversions (F16/BF16 round to nearest even; Q8_0 as ggml quantize_row_q8_0_ref; n % 32 == 0
+/// for Q8_0). The inverse of dequantize_row up to rounding; for tests, benchmarks and tools.
+void convert_row_from_f32(DType t, const float *src, void *dst, int64_t n);
 
 /// Embedding lookup: out[t] = row ids[t] of `table` (ne[0] = n_embd, ne[1] = n_vocab), as F32.
 /// ids must be < ne[1] (callers validate token ids first).

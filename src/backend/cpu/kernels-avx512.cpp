@@ -1,0 +1,69 @@
+// AVX-512F inner loops (Skylake-SP and later: 16 F32 lanes, 32 vector registers). Compiled for that
+// target whatever the build's -march; ops.cpp only calls kernels_avx512() on a CPU that reports it.
+#include "backend/cpu/kernels.h"
+#include "core/dtype.h"
+
+// GCC 12 reports the deliberately undefined source operand inside avx512fintrin.h's own inlines.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+#include <immintrin.h>
+
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <utility>
+
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,avx2,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx2,fma,f16c")
+#endif
+
+namespace {
+
+struct VecAvx512 {
+    using V = __m512;
+    static constexpr int N = 16;
+    static constexpr int max_tokens = 8;  // 8 accumulators + weights + x in 32 zmm registers
+    static V zero() { return _mm512_setzero_ps(); }
+    static V set1(float a) { return _mm512_set1_ps(a); }
+    static V load(const float *p) { return _mm512_loadu_ps(p); }
+    static void store(float *p, V v) { _mm512_storeu_ps(p, v); }
+    static V add(V a, V b) { return _mm512_add_ps(a, b); }
+    static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+    static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+    static float reduce(V v) { return _mm512_reduce_add_ps(v); }
+    static V load_f16(const uint16_t *p) {
+        return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(p)));
+    }
+    static V load_bf16(const uint16_t *p) {
+        const __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(p)));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+    }
+    static V load_q8(const int8_t *p) {
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p))));
+    }
+    static float f16(uint16_t h) { return _cvtsh_ss(h); }
+};
+
+} // namespace
+
+#include "backend/cpu/kernels-impl.h"
+
+namespace prescope::cpu {
+
+const KernelTable &kernels_avx512() {
+    static const KernelTable table = make_kernel_table<VecAvx512>();
+    return table;
+}
+
+} // namespace prescope::cpu
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif

@@ -1,0 +1,219 @@
+// Generic inner loops of the CPU kernels, written once over a small vector interface S and
+// instantiated per ISA (kernels-scalar.cpp, kernels-avx2.cpp, kernels-avx512.cpp). Include it only
+// from those files, after defining S, inside the ISA's target region.
+//
+// S provides: type V of N F32 lanes; zero, set1, load, store, add, mul, fmadd, reduce (horizontal
+// sum); load_f16 / load_bf16 / load_q8 (N elements converted to F32); f16 (one scalar half);
+// max_tokens (tokens computed together per weight row: bounded by the register file).
+#pragma once
+
+#include "backend/cpu/kernels.h"
+#include "core/dtype.h"
+
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <utility>
+
+namespace {
+
+using prescope::BlockQ8_0;
+using prescope::DType;
+using prescope::QK8_0;
+
+/// N weights of row w starting at element i, as F32 (D != Q8_0).
+template <class S, DType D>
+inline typename S::V load_weights(const uint8_t *w, int64_t i) {
+    if constexpr (D == DType::F32) return S::load(reinterpret_cast<const float *>(w) + i);
+    if constexpr (D == DType::F16) return S::load_f16(reinterpret_cast<const uint16_t *>(w) + i);
+    if constexpr (D == DType::BF16) return S::load_bf16(reinterpret_cast<const uint16_t *>(w) + i);
+}
+
+/// One weight of row w as F32 (D != Q8_0), for row tails shorter than N.
+template <class S, DType D>
+inline float weight_at(const uint8_t *w, int64_t i) {
+    float f;
+    if constexpr (D == DType::F32) {
+        std::memcpy(&f, w + 4 * i, 4);
+    } else {
+        uint16_t h;
+        std::memcpy(&h, w + 2 * i, 2);
+        f = D == DType::F16 ? S::f16(h) : prescope::bf16_to_fp32(h);
+    }
+    return f;
+}
+
+/// Independent accumulators per token: enough FMA chains in flight to hide the FMA latency.
+template <int T>
+constexpr int accumulators_per_token() {
+    return T == 1 ? 4 : T == 2 ? 2 : 1;
+}
+
+/// out[t] = dot(row w, x + t * ldx) for t < T; n elements of dtype D (F32, F16 or BF16).
+template <class S, DType D, int T>
+void dot_row(const uint8_t *w, int64_t n, const float *x, int64_t ldx, float *out) {
+    using V = typename S::V;
+    constexpr int N = S::N, U = accumulators_per_token<T>();
+    V acc[T][U];
+    for (int t = 0; t < T; ++t)
+        for (int u = 0; u < U; ++u) acc[t][u] = S::zero();
+    int64_t i = 0;
+    for (; i + U * N <= n; i += U * N) {
+#pragma GCC unroll 4
+        for (int u = 0; u < U; ++u) {
+            const V wv = load_weights<S, D>(w, i + u * N);
+#pragma GCC unroll 8
+            for (int t = 0; t < T; ++t) acc[t][u] = S::fmadd(wv, S::load(x + t * ldx + i + u * N), acc[t][u]);
+        }
+    }
+    for (; i + N <= n; i += N) {
+        const V wv = load_weights<S, D>(w, i);
+        for (int t = 0; t < T; ++t) acc[t][0] = S::fmadd(wv, S::load(x + t * ldx + i), acc[t][0]);
+    }
+    for (int t = 0; t < T; ++t) {
+        V s = acc[t][0];
+        for (int u = 1; u < U; ++u) s = S::add(s, acc[t][u]);
+        float r = S::reduce(s);
+        for (int64_t j = i; j < n; ++j) r += weight_at<S, D>(w, j) * x[t * ldx + j];
+        out[t] = r;
+    }
+}
+
+/// out[t] = dot(Q8_0 row w, x + t * ldx) for t < T; n % 32 == 0. Each 32-block is converted to F32
+/// and scaled once, then used for all T tokens (activations are never quantized).
+template <class S, int T>
+void dot_row_q8_0(const uint8_t *w, int64_t n, const float *x, int64_t ldx, float *out) {
+    using V = typename S::V;
+    constexpr int N = S::N, VB = QK8_0 / N, U = accumulators_per_token<T>();
+    constexpr int B = U > VB ? U / VB : 1;  // blocks per iteration, so that U chains are all used
+    static_assert(QK8_0 % N == 0 && (VB * B) % U == 0);
+    const auto *blk = reinterpret_cast<const BlockQ8_0 *>(w);
+    const int64_t nb = n / QK8_0;
+    V acc[T][U];
+    for (int t = 0; t < T; ++t)
+        for (int u = 0; u < U; ++u) acc[t][u] = S::zero();
+    auto step = [&](int64_t b, int k0) __attribute__((always_inline)) {
+        const V d = S::set1(S::f16(blk[b].d));
+        const float *xb = x + b * QK8_0;
+#pragma GCC unroll 4
+        for (int j = 0; j < VB; ++j) {
+            const V wv = S::mul(S::load_q8(blk[b].qs + j * N), d);
+            const int k = (k0 + j) % U;
+#pragma GCC unroll 8
+            for (int t = 0; t < T; ++t) acc[t][k] = S::fmadd(wv, S::load(xb + t * ldx + j * N), acc[t][k]);
+        }
+    };
+    int64_t b = 0;
+    for (; b + B <= nb; b += B) {
+#pragma GCC unroll 4
+        for (int bb = 0; bb < B; ++bb) step(b + bb, bb * VB);
+    }
+    for (; b < nb; ++b) step(b, 0);
+    for (int t = 0; t < T; ++t) {
+        V s = acc[t][0];
+        for (int u = 1; u < U; ++u) s = S::add(s, acc[t][u]);
+        out[t] = S::reduce(s);
+    }
+}
+
+template <class S, DType D, int T>
+void dot_row_any(const uint8_t *w, int64_t n, const float *x, int64_t ldx, float *out) {
+    if constexpr (D == DType::Q8_0) {
+        dot_row_q8_0<S, T>(w, n, x, ldx, out);
+    } else {
+        dot_row<S, D, T>(w, n, x, ldx, out);
+    }
+}
+
+using DotRowFn = void (*)(const uint8_t *, int64_t, const float *, int64_t, float *);
+
+template <class S, DType D, int... Ts>
+constexpr std::array<DotRowFn, sizeof...(Ts)> dot_row_table(std::integer_sequence<int, Ts...>) {
+    return {&dot_row_any<S, D, Ts + 1>...};
+}
+
+/// KernelTable::GemvFn for dtype D: rows outer, tokens in groups of up to S::max_tokens inner, so a
+/// weight row is read from memory once and from L1 for the following groups.
+template <class S, DType D>
+void gemv(const uint8_t *w, size_t w_stride, int64_t n_rows, int64_t n, const float *x, int64_t ldx,
+          int64_t n_tok, float *y, int64_t ldy) {
+    constexpr int TM = S::max_tokens;
+    static constexpr auto dots = dot_row_table<S, D>(std::make_integer_sequence<int, TM>());
+    float out[TM];
+    for (int64_t r = 0; r < n_rows; ++r) {
+        const uint8_t *wr = w + size_t(r) * w_stride;
+        for (int64_t t0 = 0; t0 < n_tok; t0 += TM) {
+            const int64_t nt = std::min<int64_t>(TM, n_tok - t0);
+            dots[nt - 1](wr, n, x + t0 * ldx, ldx, out);
+            for (int64_t t = 0; t < nt; ++t) y[(t0 + t) * ldy + r] = out[t];
+        }
+    }
+}
+
+/// KernelTable::ConvertFn for dtype D.
+template <class S, DType D>
+void convert(const uint8_t *w, size_t w_stride, int64_t n_rows, int64_t n, float *dst) {
+    constexpr int N = S::N;
+    for (int64_t r = 0; r < n_rows; ++r) {
+        const uint8_t *src = w + size_t(r) * w_stride;
+        float *d = dst + r * n;
+        if constexpr (D == DType::Q8_0) {
+            const auto *blk = reinterpret_cast<const BlockQ8_0 *>(src);
+            for (int64_t b = 0; b < n / QK8_0; ++b) {
+                const typename S::V scale = S::set1(S::f16(blk[b].d));
+                for (int j = 0; j < QK8_0 / N; ++j)
+                    S::store(d + b * QK8_0 + j * N, S::mul(S::load_q8(blk[b].qs + j * N), scale));
+            }
+        } else {
+            int64_t i = 0;
+            for (; i + N <= n; i += N) S::store(d + i, load_weights<S, D>(src, i));
+            for (; i < n; ++i) d[i] = weight_at<S, D>(src, i);
+        }
+    }
+}
+
+/// KernelTable::weighted_row_sum: columns in blocks of C vectors held in registers, rows inner.
+template <class S>
+void weighted_row_sum(const float *p, const float *v, int64_t v_stride, int64_t n_rows, int64_t n, float *out) {
+    using V = typename S::V;
+    constexpr int N = S::N, C = 4;
+    int64_t i = 0;
+    for (; i + C * N <= n; i += C * N) {
+        V acc[C];
+        for (int c = 0; c < C; ++c) acc[c] = S::zero();
+        for (int64_t j = 0; j < n_rows; ++j) {
+            const V pj = S::set1(p[j]);
+            const float *vj = v + j * v_stride + i;
+#pragma GCC unroll 4
+            for (int c = 0; c < C; ++c) acc[c] = S::fmadd(pj, S::load(vj + c * N), acc[c]);
+        }
+        for (int c = 0; c < C; ++c) S::store(out + i + c * N, acc[c]);
+    }
+    for (; i + N <= n; i += N) {
+        V acc = S::zero();
+        for (int64_t j = 0; j < n_rows; ++j) acc = S::fmadd(S::set1(p[j]), S::load(v + j * v_stride + i), acc);
+        S::store(out + i, acc);
+    }
+    for (; i < n; ++i) {
+        float acc = 0.0f;
+        for (int64_t j = 0; j < n_rows; ++j) acc += p[j] * v[j * v_stride + i];
+        out[i] = acc;
+    }
+}
+
+template <class S>
+prescope::cpu::KernelTable make_kernel_table() {
+    prescope::cpu::KernelTable k{};
+    k.gemv[0] = &gemv<S, DType::F32>;
+    k.gemv[1] = &gemv<S, DType::F16>;
+    k.gemv[2] = &gemv<S, DType::BF16>;
+    k.gemv[3] = &gemv<S, DType::Q8_0>;
+    k.convert[0] = &convert<S, DType::F32>;
+    k.convert[1] = &convert<S, DType::F16>;
+    k.convert[2] = &convert<S, DType::BF16>;
+    k.convert[3] = &convert<S, DType::Q8_0>;
+    k.weighted_row_sum = &weighted_row_sum<S>;
+    return k;
+}
+
+} // namespace

@@ -1,0 +1,77 @@
+// Portable inner loops for CPUs without AVX2 (and non-x86 builds): plain C++ over 8-float groups,
+// which the compiler vectorizes with the baseline instruction set.
+#include "backend/cpu/kernels.h"
+#include "core/dtype.h"
+
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <utility>
+
+namespace {
+
+struct VecScalar {
+    static constexpr int N = 8;
+    static constexpr int max_tokens = 4;
+    struct V {
+        float v[N];
+    };
+    static V zero() { return V{}; }
+    static V set1(float a) {
+        V r;
+        for (float &e : r.v) e = a;
+        return r;
+    }
+    static V load(const float *p) {
+        V r;
+        std::memcpy(r.v, p, sizeof r.v);
+        return r;
+    }
+    static void store(float *p, V v) { std::memcpy(p, v.v, sizeof v.v); }
+    static V add(V a, V b) {
+        for (int i = 0; i < N; ++i) a.v[i] += b.v[i];
+        return a;
+    }
+    static V mul(V a, V b) {
+        for (int i = 0; i < N; ++i) a.v[i] *= b.v[i];
+        return a;
+    }
+    static V fmadd(V a, V b, V c) {
+        for (int i = 0; i < N; ++i) c.v[i] += a.v[i] * b.v[i];
+        return c;
+    }
+    static float reduce(V v) {
+        float s = 0.0f;
+        for (float e : v.v) s += e;
+        return s;
+    }
+    static V load_f16(const uint16_t *p) {
+        V r;
+        for (int i = 0; i < N; ++i) r.v[i] = prescope::fp16_to_fp32(p[i]);
+        return r;
+    }
+    static V load_bf16(const uint16_t *p) {
+        V r;
+        for (int i = 0; i < N; ++i) r.v[i] = prescope::bf16_to_fp32(p[i]);
+        return r;
+    }
+    static V load_q8(const int8_t *p) {
+        V r;
+        for (int i = 0; i < N; ++i) r.v[i] = float(p[i]);
+        return r;
+    }
+    static float f16(uint16_t h) { return prescope::fp16_to_fp32(h); }
+};
+
+} // namespace
+
+#include "backend/cpu/kernels-impl.h"
+
+namespace prescope::cpu {
+
+const KernelTable &kernels_scalar() {
+    static const KernelTable table = make_kernel_table<VecScalar>();
+    return table;
+}
+
+} // namespace prescope::cpu

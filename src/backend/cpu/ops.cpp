@@ -1,0 +1,291 @@
+// CPU ops other than matmul and attention (norms, RoPE, softmax, SwiGLU, top-k, embeddings), plus
+// the run-time state the kernels share: thread count and the ISA of the inner loops.
+#include "backend/cpu/ops.h"
+
+#include "backend/cpu/kernels.h"
+#include "core/error.h"
+#include "core/log.h"
+
+#include <cblas.h>
+#include <omp.h>
+#include <sched.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <mutex>
+#include <numeric>
+#include <set>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+// Declared by OpenBLAS's cblas.h, but not by the netlib one the alternatives system may select.
+extern "C" void openblas_set_num_threads(int num_threads);
+
+namespace prescope::cpu {
+
+namespace {
+
+std::atomic<int> g_threads{0};
+std::once_flag g_threads_once;
+std::atomic<int> g_isa{-1};
+std::once_flag g_isa_once;
+
+// Element count below which an elementwise op runs on one thread: a fork/join costs a few
+// microseconds, about what one core needs for this many elements.
+constexpr int64_t kParallelMinElems = int64_t(1) << 15;
+
+int read_int_file(const std::string &path) {
+    std::ifstream f(path);
+    int v = -1;
+    if (!(f >> v)) return -1;
+    return v;
+}
+
+} // namespace
+
+// ---------------------------------------------------------------------------------------------
+// threads and ISA
+
+int physical_cores() {
+    static const int n = [] {
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        const bool have_affinity = sched_getaffinity(0, sizeof set, &set) == 0;
+        std::set<std::pair<int, int>> cores;  // (package, core) of each CPU we may run on
+        int n_cpus = 0;
+        bool topology_ok = have_affinity;
+        for (int cpu = 0; have_affinity && cpu < CPU_SETSIZE; ++cpu) {
+            if (!CPU_ISSET(cpu, &set)) continue;
+            ++n_cpus;
+            const std::string dir = "/sys/devices/system/cpu/cpu" + std::to_string(cpu) + "/topology/";
+            const int package = read_int_file(dir + "physical_package_id");
+            const int core = read_int_file(dir + "core_id");
+            if (package < 0 || core < 0) topology_ok = false;
+            cores.emplace(package, core);
+        }
+        if (topology_ok && !cores.empty()) return int(cores.size());
+        if (n_cpus > 0) return n_cpus;
+        return std::max(1, int(std::thread::hardware_concurrency()));
+    }();
+    return n;
+}
+
+void set_threads(int n) {
+    const int threads = n > 0 ? n : physical_cores();
+    g_threads.store(threads);
+    omp_set_num_threads(threads);
+    // Our OpenMP threads call sgemm on tiles each; OpenBLAS threads on top would oversubscribe.
+    openblas_set_num_threads(1);
+}
+
+int get_threads() {
+    std::call_once(g_threads_once, [] {
+        if (g_threads.load() == 0) set_threads(0);
+    });
+    return g_threads.load();
+}
+
+int threads_here() {
+    return omp_in_parallel() ? 1 : get_threads();
+}
+
+const char *cpu_isa_name(CpuIsa isa) {
+    switch (isa) {
+    case CpuIsa::SCALAR: return "scalar";
+    case CpuIsa::AVX2: return "avx2";
+    case CpuIsa::AVX512: return "avx512";
+    }
+    return "unknown";
+}
+
+CpuIsa cpu_isa_supported() {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    // libgcc's checks include the OS's XSAVE support for the ymm / zmm state.
+    const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                      __builtin_cpu_supports("f16c");
+    if (avx2 && __builtin_cpu_supports("avx512f")) return CpuIsa::AVX512;
+    if (avx2) return CpuIsa::AVX2;
+#endif
+    return CpuIsa::SCALAR;
+}
+
+CpuIsa get_cpu_isa() {
+    std::call_once(g_isa_once, [] {
+        CpuIsa isa = cpu_isa_supported();
+        if (const char *env = std::getenv("PRESCOPE_CPU_ISA")) {
+            const std::string want = env;
+            bool known = false;
+            for (CpuIsa i : {CpuIsa::SCALAR, CpuIsa::AVX2, CpuIsa::AVX512}) {
+                if (want != cpu_isa_name(i)) continue;
+                known = true;
+                if (i <= isa) {
+                    isa = i;
+                } else {
+                    spdlog::warn("PRESCOPE_CPU_ISA={}: this CPU lacks it; using {}", want, cpu_isa_name(isa));
+                }
+            }
+            if (!known) spdlog::warn("PRESCOPE_CPU_ISA={}: expected scalar, avx2 or avx512; ignored", want);
+        }
+        int expected = -1;
+        g_isa.compare_exchange_strong(expected, int(isa));  // set_cpu_isa may have come first
+    });
+    return CpuIsa(g_isa.load());
+}
+
+void set_cpu_isa(CpuIsa isa) {
+    if (isa > cpu_isa_supported())
+        fail("CPU kernels: this CPU does not support {} (best: {})", cpu_isa_name(isa),
+             cpu_isa_name(cpu_isa_supported()));
+    get_cpu_isa();  // settle the default first, so it cannot overwrite this choice later
+    g_isa.store(int(isa));
+}
+
+const KernelTable &kernels() {
+    switch (get_cpu_isa()) {
+    case CpuIsa::AVX512: return kernels_avx512();
+    case CpuIsa::AVX2: return kernels_avx2();
+    case CpuIsa::SCALAR: break;
+    }
+    return kernels_scalar();
+}
+
+// ---------------------------------------------------------------------------------------------
+// elementwise and row ops
+
+void add_bias(float *y, const float *b, int64_t n_tok, int64_t n_out) {
+    for (int64_t t = 0; t < n_tok; ++t)
+        for (int64_t o = 0; o < n_out; ++o) y[t * n_out + o] += b[o];
+}
+
+void convert_row_from_f32(DType t, const float *src, void *dst, int64_t n) {
+    auto *h = static_cast<uint16_t *>(dst);
+    switch (t) {
+    case DType::F32: std::memcpy(dst, src, size_t(n) * sizeof(float)); return;
+    case DType::F16:
+        for (int64_t i = 0; i < n; ++i) h[i] = fp32_to_fp16(src[i]);
+        return;
+    case DType::BF16:
+        for (int64_t i = 0; i < n; ++i) h[i] = fp32_to_bf16(src[i]);
+        return;
+    case DType::Q8_0: quantize_row_q8_0(src, static_cast<BlockQ8_0 *>(dst), n); return;
+    }
+    PRESCOPE_ASSERT(false);
+}
+
+void get_rows(const TensorView &table, const int32_t *ids, int64_t n_tok, float *out) {
+    const int64_t n = table.ne[0];
+    const KernelTable::ConvertFn convert = kernels().convert[dtype_index(table.type)];
+    for (int64_t t = 0; t < n_tok; ++t) {
+        PRESCOPE_ASSERT(ids[t] >= 0 && ids[t] < table.ne[1]);
+        convert(table.row(ids[t]), table.row_bytes(), 1, n, out + t * n);
+    }
+}
+
+void rms_norm(const float *x, const float *w, int64_t n_rows, int64_t n, float eps, float *y) {
+    const int nth = threads_here();
+#pragma omp parallel for num_threads(nth) if (nth > 1 && n_rows > 1 && n_rows * n >= kParallelMinElems)
+    for (int64_t r = 0; r < n_rows; ++r) {
+        const float *xr = x + r * n;
+        float *yr = y + r * n;
+        // Eight partial sums: vectorizable without reassociating a single F32 chain.
+        float part[8] = {};
+        int64_t i = 0;
+        for (; i + 8 <= n; i += 8)
+            for (int j = 0; j < 8; ++j) part[j] += xr[i + j] * xr[i + j];
+        double sum = 0.0;
+        for (float p : part) sum += p;
+        for (; i < n; ++i) sum += double(xr[i]) * xr[i];
+        // HF Qwen3MoeRMSNorm: weight * (x * rsqrt(mean(x^2) + eps)), in F32.
+        const float scale = float(1.0 / std::sqrt(sum / double(n) + double(eps)));
+        for (int64_t k = 0; k < n; ++k) yr[k] = w[k] * (xr[k] * scale);
+    }
+}
+
+void rope(float *x, int64_t n_tok, int64_t n_head, int64_t head_dim, const int32_t *pos, float freq_base,
+          RopeMode mode) {
+    PRESCOPE_ASSERT(head_dim % 2 == 0);
+    const int64_t half = head_dim / 2;
+    // Angles as HF computes them (Qwen3MoeRotaryEmbedding / _compute_default_rope_parameters), in F32:
+    // inv_freq = 1 / base^(2i/d), theta = float(pos) * inv_freq, then cos and sin of that F32 angle.
+    std::vector<float> inv_freq(static_cast<size_t>(half));
+    for (int64_t i = 0; i < half; ++i)
+        inv_freq[size_t(i)] = 1.0f / std::pow(freq_base, float(2 * i) / float(head_dim));
+    const int nth = threads_here();
+#pragma omp parallel num_threads(nth) if (nth > 1 && n_tok > 1 && n_tok * n_head * head_dim >= kParallelMinElems)
+    {
+        std::vector<float> cs(static_cast<size_t>(2 * half));  // cos, sin of each pair's angle for one token
+#pragma omp for
+        for (int64_t t = 0; t < n_tok; ++t) {
+            for (int64_t i = 0; i < half; ++i) {
+                const float theta = float(pos[t]) * inv_freq[size_t(i)];
+                cs[size_t(2 * i)] = std::cos(theta);
+                cs[size_t(2 * i + 1)] = std::sin(theta);
+            }
+            for (int64_t h = 0; h < n_head; ++h) {
+                float *v = x + (t * n_head + h) * head_dim;
+                // NORM pairs neighbours (ggml rope_yarn on x[2i], x[2i+1]); NEOX pairs the two halves.
+                const int64_t stride = mode == RopeMode::NORM ? 1 : half;
+                for (int64_t i = 0; i < half; ++i) {
+                    const int64_t i0 = mode == RopeMode::NORM ? 2 * i : i;
+                    const float c = cs[size_t(2 * i)], s = cs[size_t(2 * i + 1)];
+                    const float a = v[i0], b = v[i0 + stride];
+                    v[i0] = a * c - b * s;
+                    v[i0 + stride] = a * s + b * c;
+                }
+            }
+        }
+    }
+}
+
+void softmax(float *x, int64_t n_rows, int64_t n) {
+    const int nth = threads_here();
+#pragma omp parallel for num_threads(nth) if (nth > 1 && n_rows > 1 && n_rows * n >= kParallelMinElems)
+    for (int64_t r = 0; r < n_rows; ++r) {
+        float *v = x + r * n;
+        const float mx = *std::max_element(v, v + n);
+        double sum = 0.0;
+        for (int64_t i = 0; i < n; ++i) {
+            v[i] = std::exp(v[i] - mx);
+            sum += v[i];
+        }
+        const float inv = float(1.0 / sum);
+        for (int64_t i = 0; i < n; ++i) v[i] *= inv;
+    }
+}
+
+void swiglu(const float *gate, const float *up, float *out, int64_t n) {
+    const int nth = threads_here();
+#pragma omp parallel for num_threads(nth) if (nth > 1 && n >= kParallelMinElems)
+    for (int64_t i = 0; i < n; ++i) {
+        const float g = gate[i];
+        out[i] = g / (1.0f + std::exp(-g)) * up[i];
+    }
+}
+
+void top_k(const float *scores, int64_t n, int64_t k, int32_t *ids, float *values) {
+    PRESCOPE_ASSERT(k >= 0 && k <= n);
+    std::vector<int32_t> idx(static_cast<size_t>(n));
+    std::iota(idx.begin(), idx.end(), 0);
+    // Descending score, ties to the lower index; NaN ranks below every number (a strict weak order).
+    const auto before = [scores](int32_t a, int32_t b) {
+        const float sa = scores[a], sb = scores[b];
+        const bool na = std::isnan(sa), nb = std::isnan(sb);
+        if (na != nb) return nb;
+        if (!na && sa != sb) return sa > sb;
+        return a < b;
+    };
+    std::partial_sort(idx.begin(), idx.begin() + k, idx.end(), before);
+    for (int64_t i = 0; i < k; ++i) {
+        ids[i] = idx[size_t(i)];
+        values[i] = scores[idx[size_t(i)]];
+    }
+}
+
+} // namespace prescope::cpu
