@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Runs every test: builds if needed, then the C++ suites (ctest: unit, model, cli labels) and the
+# Python tool tests (pytest). Needs scripts/setup.sh to have run once (dependencies, .venv).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [ ! -f build/build.ninja ]; then cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release; fi
+ninja -C build
+ctest --test-dir build --output-on-failure -j"$(nproc)"
+.venv/bin/python3 -m pytest -q tests/py

@@ -1,0 +1,176 @@
+// Architecture registry, shared hyper-parameter reading and tensor binding with shape checks.
+#include "arch/arch.h"
+
+#include "core/error.h"
+
+#include <fmt/ranges.h>
+
+namespace prescope {
+
+const std::vector<ArchInfo> &arch_registry() {
+    static const std::vector<ArchInfo> registry = {
+        {"qwen3moe", load_qwen3moe},
+        {"qwen2moe", load_qwen2moe},
+        {"llama", load_mixtral},
+        {"olmoe", load_olmoe},
+    };
+    return registry;
+}
+
+std::unique_ptr<Model> Model::load(const std::string &path) {
+    std::unique_ptr<Model> m(new Model(path));
+    const std::string arch = m->file_.get_str("general.architecture");
+    const ArchInfo *info = nullptr;
+    for (const auto &a : arch_registry()) {
+        if (arch == a.name) info = &a;
+    }
+    if (!info) {
+        std::vector<std::string> names;
+        for (const auto &a : arch_registry()) names.emplace_back(a.name);
+        fail("{}: unsupported architecture '{}' (supported: {})", path, arch, fmt::join(names, ", "));
+    }
+    m->hp_.arch = arch;
+    ArchLoader loader(*m);
+    info->load(loader);
+    return m;
+}
+
+size_t Model::expert_bytes(int64_t layer) const {
+    const LayerWeights &l = w_.layers.at(size_t(layer));
+    return l.gate_exps.matrix_bytes() + l.up_exps.matrix_bytes() + l.down_exps.matrix_bytes();
+}
+
+void ArchLoader::read_common_hparams() {
+    HParams &hp = m_.hp_;
+    const std::string &a = hp.arch;
+    hp.n_ctx_train = int64_t(f_.get_u64(a + ".context_length"));
+    hp.n_embd = int64_t(f_.get_u64(a + ".embedding_length"));
+    hp.n_layer = int64_t(f_.get_u64(a + ".block_count"));
+    hp.n_head = int64_t(f_.get_u64(a + ".attention.head_count"));
+    hp.n_head_kv = int64_t(f_.get_u32_or(a + ".attention.head_count_kv", uint32_t(hp.n_head)));
+    hp.rms_eps = float(f_.get_f64(a + ".attention.layer_norm_rms_epsilon"));
+    hp.rope_freq_base = float(f_.get_f64_or(a + ".rope.freq_base", 10000.0));
+    hp.n_expert = int64_t(f_.get_u32_or(a + ".expert_count", 0));
+    hp.n_expert_used = int64_t(f_.get_u32_or(a + ".expert_used_count", 0));
+    if (hp.n_embd <= 0 || hp.n_layer <= 0 || hp.n_head <= 0 || hp.n_head_kv <= 0 || hp.n_head % hp.n_head_kv != 0) {
+        fail("{}: invalid attention shape: n_embd {}, n_layer {}, n_head {}, n_head_kv {} (n_head must be a "
+             "positive multiple of n_head_kv)", f_.path(), hp.n_embd, hp.n_layer, hp.n_head, hp.n_head_kv);
+    }
+    hp.head_dim = int64_t(f_.get_u32_or(a + ".attention.key_length", uint32_t(hp.n_embd / hp.n_head)));
+    const int64_t head_dim_v = int64_t(f_.get_u32_or(a + ".attention.value_length", uint32_t(hp.head_dim)));
+    if (head_dim_v != hp.head_dim || hp.head_dim <= 0 || hp.head_dim % 2 != 0) {
+        fail("{}: unsupported head dims: key_length {}, value_length {} (expected equal and even)", f_.path(),
+             hp.head_dim, head_dim_v);
+    }
+    if (hp.n_expert <= 0 || hp.n_expert_used <= 0 || hp.n_expert_used > hp.n_expert || hp.n_expert > 256) {
+        fail("{}: '{}' with expert_count {} and expert_used_count {} is not a supported MoE model (expected "
+             "1 <= top-k <= experts <= 256)", f_.path(), a, hp.n_expert, hp.n_expert_used);
+    }
+    const std::string ff_key = f_.has(a + ".expert_feed_forward_length") ? a + ".expert_feed_forward_length"
+                                                                          : a + ".feed_forward_length";
+    hp.n_ff_exp = int64_t(f_.get_u64(ff_key));
+    hp.norm_topk_prob = f_.get_bool_or(a + ".expert_weights_norm", hp.norm_topk_prob);
+    if (hp.shared_expert) hp.n_ff_shexp = int64_t(f_.get_u64(a + ".expert_shared_feed_forward_length"));
+}
+
+void ArchLoader::load_standard() {
+    read_common_hparams();
+    bind_embeddings();
+    for (int64_t il = 0; il < m_.hp_.n_layer; ++il) {
+        bind_attention(il);
+        bind_moe(il);
+    }
+}
+
+namespace {
+
+std::string shape_str(const std::vector<int64_t> &ne) {
+    return fmt::format("[{}]", fmt::join(ne, ", "));
+}
+
+} // namespace
+
+TensorView ArchLoader::matrix(const std::string &name, std::vector<int64_t> ne, bool optional) {
+    const GgufTensorInfo *t = f_.find_tensor(name);
+    if (!t) {
+        if (optional) return {};
+        fail("{}: missing tensor '{}' (expected shape {})", f_.path(), name, shape_str(ne));
+    }
+    if (t->ne != ne) {
+        fail("{}: tensor '{}' has shape {}, expected {}", f_.path(), name, shape_str(t->ne), shape_str(ne));
+    }
+    return f_.tensor_view(name);
+}
+
+const float *ArchLoader::vector(const std::string &name, int64_t n, bool optional) {
+    const TensorView v = matrix(name, {n}, optional);
+    if (v.empty()) return nullptr;
+    if (v.type == DType::F32) return static_cast<const float *>(v.data);
+    std::vector<float> &buf = m_.converted_.emplace_back(size_t(n));
+    dequantize_row(v.type, v.data, buf.data(), n);
+    return buf.data();
+}
+
+void ArchLoader::bind_embeddings() {
+    HParams &hp = m_.hp_;
+    const GgufTensorInfo *emb = f_.find_tensor("token_embd.weight");
+    if (!emb) fail("{}: missing tensor 'token_embd.weight'", f_.path());
+    if (emb->ne.size() != 2) {
+        fail("{}: tensor 'token_embd.weight' has shape {}, expected [{}, n_vocab]", f_.path(), shape_str(emb->ne),
+             hp.n_embd);
+    }
+    hp.n_vocab = emb->ne[1];
+    ModelWeights &w = m_.w_;
+    w.tok_embd = matrix("token_embd.weight", {hp.n_embd, hp.n_vocab});
+    w.output_norm = vector("output_norm.weight", hp.n_embd);
+    w.output = matrix("output.weight", {hp.n_embd, hp.n_vocab}, /*optional=*/true);
+    if (w.output.empty()) w.output = w.tok_embd;
+    w.layers.resize(size_t(hp.n_layer));
+}
+
+void ArchLoader::bind_attention(int64_t il) {
+    const HParams &hp = m_.hp_;
+    LayerWeights &l = m_.w_.layers[size_t(il)];
+    const std::string p = fmt::format("blk.{}.", il);
+    const int64_t n_q = hp.n_head * hp.head_dim, n_kv = hp.n_head_kv * hp.head_dim;
+    l.attn_norm = vector(p + "attn_norm.weight", hp.n_embd);
+    l.wq = matrix(p + "attn_q.weight", {hp.n_embd, n_q});
+    l.wk = matrix(p + "attn_k.weight", {hp.n_embd, n_kv});
+    l.wv = matrix(p + "attn_v.weight", {hp.n_embd, n_kv});
+    l.wo = matrix(p + "attn_output.weight", {n_q, hp.n_embd});
+    if (hp.qkv_bias) {
+        l.bq = vector(p + "attn_q.bias", n_q);
+        l.bk = vector(p + "attn_k.bias", n_kv);
+        l.bv = vector(p + "attn_v.bias", n_kv);
+    }
+    if (hp.qk_norm == QkNorm::PER_HEAD) {
+        l.q_norm = vector(p + "attn_q_norm.weight", hp.head_dim);
+        l.k_norm = vector(p + "attn_k_norm.weight", hp.head_dim);
+    } else if (hp.qk_norm == QkNorm::FULL) {
+        l.q_norm = vector(p + "attn_q_norm.weight", n_q);
+        l.k_norm = vector(p + "attn_k_norm.weight", n_kv);
+    }
+}
+
+void ArchLoader::bind_moe(int64_t il) {
+    const HParams &hp = m_.hp_;
+    LayerWeights &l = m_.w_.layers[size_t(il)];
+    const std::string p = fmt::format("blk.{}.", il);
+    l.ffn_norm = vector(p + "ffn_norm.weight", hp.n_embd);
+    l.gate_inp = matrix(p + "ffn_gate_inp.weight", {hp.n_embd, hp.n_expert});
+    l.gate_exps = matrix(p + "ffn_gate_exps.weight", {hp.n_embd, hp.n_ff_exp, hp.n_expert});
+    l.up_exps = matrix(p + "ffn_up_exps.weight", {hp.n_embd, hp.n_ff_exp, hp.n_expert});
+    l.down_exps = matrix(p + "ffn_down_exps.weight", {hp.n_ff_exp, hp.n_embd, hp.n_expert});
+    if (l.gate_exps.type != l.up_exps.type || l.gate_exps.type != l.down_exps.type) {
+        fail("{}: layer {} experts mix dtypes (gate {}, up {}, down {}); expected one dtype", f_.path(), il,
+             dtype_name(l.gate_exps.type), dtype_name(l.up_exps.type), dtype_name(l.down_exps.type));
+    }
+    if (hp.shared_expert) {
+        l.gate_shexp = matrix(p + "ffn_gate_shexp.weight", {hp.n_embd, hp.n_ff_shexp});
+        l.up_shexp = matrix(p + "ffn_up_shexp.weight", {hp.n_embd, hp.n_ff_shexp});
+        l.down_shexp = matrix(p + "ffn_down_shexp.weight", {hp.n_ff_shexp, hp.n_embd});
+        l.gate_inp_shexp = vector(p + "ffn_gate_inp_shexp.weight", hp.n_embd);
+    }
+}
+
+} // namespace prescope

@@ -1,0 +1,150 @@
+// Forward pass of the supported MoE transformers on the CPU backend. Per block (HF
+// Qwen3MoeDecoderLayer and relatives): x += Wo . attn(rope(norm_qk(Wq h)), rope(norm_qk(Wk h)), Wv h)
+// with h = rmsnorm(x); then x += MoE(rmsnorm(x)) (+ sigmoid-gated shared expert for qwen2moe).
+#include "runtime/context.h"
+
+#include "core/error.h"
+
+#include <cmath>
+
+namespace prescope {
+
+Context::Context(const Model &model, ContextParams params, ExpertExecutor *executor)
+    : model_(model), params_(params) {
+    const HParams &hp = model.hp();
+    if (params_.n_ctx <= 0) params_.n_ctx = hp.n_ctx_train;
+    if (params_.n_batch <= 0 || params_.n_ctx <= 0) {
+        fail("invalid context: n_ctx {} and n_batch {} must be positive", params_.n_ctx, params_.n_batch);
+    }
+    params_.n_batch = std::min(params_.n_batch, params_.n_ctx);
+    if (!executor) {
+        own_executor_ = std::make_unique<CpuExpertExecutor>(model, params_.n_batch);
+        executor = own_executor_.get();
+    }
+    executor_ = executor;
+
+    const int64_t nb = params_.n_batch, n_q = hp.n_head * hp.head_dim, n_kv = hp.n_head_kv * hp.head_dim;
+    const size_t cache = size_t(hp.n_layer * params_.n_ctx * n_kv);
+    try {
+        k_cache_.resize(cache);
+        v_cache_.resize(cache);
+    } catch (const std::bad_alloc &) {
+        fail("out of memory: the KV cache for n_ctx {} needs {:.1f} MiB; use a smaller -c", params_.n_ctx,
+             2.0 * double(cache) * 4 / (1 << 20));
+    }
+    x_.resize(size_t(nb * hp.n_embd));
+    h_.resize(size_t(nb * hp.n_embd));
+    ffn_.resize(size_t(nb * hp.n_embd));
+    q_.resize(size_t(nb * n_q));
+    attn_.resize(size_t(nb * n_q));
+    k_.resize(size_t(nb * n_kv));
+    v_.resize(size_t(nb * n_kv));
+    probs_.resize(size_t(nb * hp.n_expert));
+    pos_.resize(size_t(nb));
+    if (hp.shared_expert) shexp_.resize(size_t(nb * (2 * hp.n_ff_shexp + hp.n_embd)));
+    routing_.ids.reserve(size_t(nb * hp.n_expert_used));
+    routing_.weights.reserve(size_t(nb * hp.n_expert_used));
+    logits_.reserve(size_t(hp.n_vocab));
+}
+
+void Context::eval(std::span<const int32_t> tokens, bool all_logits) {
+    const HParams &hp = model_.hp();
+    const auto n = int64_t(tokens.size());
+    if (n == 0) fail("eval: no tokens to evaluate");
+    if (n_past_ + n > params_.n_ctx) {
+        fail("{} tokens at position {} do not fit the context of {} tokens (use a larger -c)", n, n_past_,
+             params_.n_ctx);
+    }
+    for (int32_t t : tokens) {
+        if (t < 0 || t >= hp.n_vocab) fail("token id {} is outside the vocabulary [0, {})", t, hp.n_vocab);
+    }
+    logits_.resize(size_t((all_logits ? n : 1) * hp.n_vocab));
+    for (int64_t i = 0; i < n; i += params_.n_batch) {
+        const int64_t m = std::min(params_.n_batch, n - i);
+        const bool last = i + m == n;
+        if (all_logits) {
+            forward_batch(tokens.data() + i, m, true, logits_.data() + i * hp.n_vocab);
+        } else {
+            forward_batch(tokens.data() + i, m, false, last ? logits_.data() : nullptr);
+        }
+    }
+}
+
+void Context::forward_batch(const int32_t *tokens, int64_t n, bool all_logits, float *logits_out) {
+    const HParams &hp = model_.hp();
+    const ModelWeights &w = model_.weights();
+    cpu::get_rows(w.tok_embd, tokens, n, x_.data());
+    for (int64_t i = 0; i < n; ++i) pos_[size_t(i)] = int32_t(n_past_ + i);
+    for (int64_t il = 0; il < hp.n_layer; ++il) {
+        attention_block(il, n);
+        moe_block(il, n);
+    }
+    n_past_ += n;
+    if (!logits_out) return;
+    // Only the rows whose logits are wanted go through the output head.
+    const int64_t first = all_logits ? 0 : n - 1, rows = n - first;
+    cpu::rms_norm(x_.data() + first * hp.n_embd, w.output_norm, rows, hp.n_embd, hp.rms_eps, h_.data());
+    cpu::matmul(w.output, h_.data(), rows, logits_out);
+}
+
+void Context::attention_block(int64_t il, int64_t n) {
+    const HParams &hp = model_.hp();
+    const LayerWeights &l = model_.weights().layers[size_t(il)];
+    const int64_t n_q = hp.n_head * hp.head_dim, n_kv = hp.n_head_kv * hp.head_dim;
+
+    cpu::rms_norm(x_.data(), l.attn_norm, n, hp.n_embd, hp.rms_eps, h_.data());
+    cpu::matmul(l.wq, h_.data(), n, q_.data());
+    cpu::matmul(l.wk, h_.data(), n, k_.data());
+    cpu::matmul(l.wv, h_.data(), n, v_.data());
+    if (hp.qkv_bias) {
+        cpu::add_bias(q_.data(), l.bq, n, n_q);
+        cpu::add_bias(k_.data(), l.bk, n, n_kv);
+        cpu::add_bias(v_.data(), l.bv, n, n_kv);
+    }
+    if (hp.qk_norm == QkNorm::PER_HEAD) {
+        cpu::rms_norm(q_.data(), l.q_norm, n * hp.n_head, hp.head_dim, hp.rms_eps, q_.data());
+        cpu::rms_norm(k_.data(), l.k_norm, n * hp.n_head_kv, hp.head_dim, hp.rms_eps, k_.data());
+    } else if (hp.qk_norm == QkNorm::FULL) {
+        cpu::rms_norm(q_.data(), l.q_norm, n, n_q, hp.rms_eps, q_.data());
+        cpu::rms_norm(k_.data(), l.k_norm, n, n_kv, hp.rms_eps, k_.data());
+    }
+    cpu::rope(q_.data(), n, hp.n_head, hp.head_dim, pos_.data(), hp.rope_freq_base, hp.rope_mode);
+    cpu::rope(k_.data(), n, hp.n_head_kv, hp.head_dim, pos_.data(), hp.rope_freq_base, hp.rope_mode);
+
+    float *kc = k_cache_.data() + il * params_.n_ctx * n_kv;
+    float *vc = v_cache_.data() + il * params_.n_ctx * n_kv;
+    std::copy_n(k_.data(), n * n_kv, kc + n_past_ * n_kv);
+    std::copy_n(v_.data(), n * n_kv, vc + n_past_ * n_kv);
+    cpu::attention(q_.data(), kc, vc, n, n_past_, hp.n_head, hp.n_head_kv, hp.head_dim,
+                   1.0f / std::sqrt(float(hp.head_dim)), attn_.data());
+    cpu::matmul(l.wo, attn_.data(), n, ffn_.data());
+    for (int64_t i = 0; i < n * hp.n_embd; ++i) x_[size_t(i)] += ffn_[size_t(i)];
+}
+
+void Context::moe_block(int64_t il, int64_t n) {
+    const HParams &hp = model_.hp();
+    const LayerWeights &l = model_.weights().layers[size_t(il)];
+    const int64_t n_embd = hp.n_embd;
+
+    cpu::rms_norm(x_.data(), l.ffn_norm, n, n_embd, hp.rms_eps, h_.data());
+    moe_route(hp, l, h_.data(), n, probs_.data(), routing_);
+    if (routing_override) routing_override(il, routing_);
+    if (on_routing) on_routing(il, routing_);
+    executor_->run(il, h_.data(), routing_, ffn_.data());
+
+    if (hp.shared_expert) {
+        // HF Qwen2MoeSparseMoeBlock: out += sigmoid(shared_expert_gate(x)) * shared_expert(x).
+        float *y = shexp_.data(), *scratch = y + n * n_embd;
+        cpu_expert_ffn(l.gate_shexp, l.up_shexp, l.down_shexp, 0, h_.data(), n, scratch, y);
+        for (int64_t t = 0; t < n; ++t) {
+            const float *ht = h_.data() + t * n_embd;
+            float dot = 0.0f;
+            for (int64_t c = 0; c < n_embd; ++c) dot += l.gate_inp_shexp[c] * ht[c];
+            const float g = 1.0f / (1.0f + std::exp(-dot));
+            for (int64_t c = 0; c < n_embd; ++c) ffn_[size_t(t * n_embd + c)] += g * y[t * n_embd + c];
+        }
+    }
+    for (int64_t i = 0; i < n * n_embd; ++i) x_[size_t(i)] += ffn_[size_t(i)];
+}
+
+} // namespace prescope

@@ -1,0 +1,70 @@
+// Inference context: KV cache, activation buffers and the forward pass of a MoE transformer
+// (embeddings -> blocks of attention + MoE FFN -> output norm -> logits), on the CPU backend.
+#pragma once
+
+#include "arch/arch.h"
+#include "runtime/moe.h"
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <vector>
+
+namespace prescope {
+
+struct ContextParams {
+    int64_t n_ctx = 4096;   // KV cache length in tokens (0: the model's training context)
+    int64_t n_batch = 512;  // tokens per forward pass; longer inputs are split
+};
+
+/// One sequence's state. Buffers are allocated once here; eval() allocates nothing per token.
+class Context {
+  public:
+    /// executor: runs the routed experts; nullptr uses a CpuExpertExecutor owned by the context.
+    Context(const Model &model, ContextParams params, ExpertExecutor *executor = nullptr);
+
+    /// Evaluates tokens at positions n_past() .. n_past() + n - 1 and appends them to the KV cache.
+    /// Throws prescope::Error when a token id is outside the vocabulary or the tokens do not fit the
+    /// context (n_past() + n > n_ctx()). logits(): [n][n_vocab] when all_logits, else the last token's.
+    void eval(std::span<const int32_t> tokens, bool all_logits = false);
+    const std::vector<float> &logits() const { return logits_; }
+
+    int64_t n_past() const { return n_past_; }
+    int64_t n_ctx() const { return params_.n_ctx; }
+    const Model &model() const { return model_; }
+    /// Forgets every cached position.
+    void clear() { n_past_ = 0; }
+
+    /// Called with each layer's routing after the router ran (trace recording, statistics).
+    std::function<void(int64_t layer, const Routing &)> on_routing;
+    /// When set, may replace each layer's routing before the experts run (trace replay).
+    std::function<void(int64_t layer, Routing &)> routing_override;
+
+  private:
+    void forward_batch(const int32_t *tokens, int64_t n, bool all_logits, float *logits_out);
+    void attention_block(int64_t il, int64_t n);
+    void moe_block(int64_t il, int64_t n);
+
+    const Model &model_;
+    ContextParams params_;
+    std::unique_ptr<CpuExpertExecutor> own_executor_;
+    ExpertExecutor *executor_;
+    int64_t n_past_ = 0;
+
+    std::vector<float> k_cache_, v_cache_;  // [n_layer][n_ctx][n_head_kv * head_dim]
+    // Activations for up to n_batch tokens.
+    std::vector<float> x_;       // [n_batch][n_embd] residual stream
+    std::vector<float> h_;       // [n_batch][n_embd] normed input of a sub-block
+    std::vector<float> q_;       // [n_batch][n_head * head_dim]
+    std::vector<float> k_, v_;   // [n_batch][n_head_kv * head_dim]
+    std::vector<float> attn_;    // [n_batch][n_head * head_dim]
+    std::vector<float> ffn_;     // [n_batch][n_embd] sub-block output
+    std::vector<float> shexp_;   // [n_batch][2 * n_ff_shexp + n_embd] shared-expert scratch
+    std::vector<float> probs_;   // [n_batch][n_expert] router softmax
+    std::vector<int32_t> pos_;   // [n_batch] positions
+    Routing routing_;
+    std::vector<float> logits_;
+};
+
+} // namespace prescope

@@ -1,0 +1,106 @@
+// Test-only builder of a tiny random-weight qwen3moe GGUF (F32), with hooks to break it on purpose.
+#pragma once
+
+#include "gguf-writer.h"
+
+#include <functional>
+#include <random>
+
+namespace prescope::test {
+
+struct TinyModelSpec {
+    std::string arch = "qwen3moe";
+    uint32_t n_layer = 2, n_embd = 32, n_head = 4, n_head_kv = 2, head_dim = 8;
+    uint32_t n_expert = 4, n_expert_used = 2, n_ff = 32, n_vocab = 64, n_ctx = 128;
+    /// Called for every tensor before it is written: may rename it (empty name drops it), change its
+    /// shape or its ggml type id (the data are resized to match).
+    std::function<void(std::string &name, std::vector<uint64_t> &ne, uint32_t &type)> edit;
+};
+
+/// Writes the model to `path`; weights ~ N(0, 0.5), norms 1. Vocabulary: byte-level BPE over the
+/// letters a-z (no merges) so the tokenizer loads.
+inline void write_tiny_model(const std::string &path, const TinyModelSpec &s) {
+    GgufWriter w;
+    const std::string a = s.arch;
+    w.kv_str("general.architecture", a);
+    w.kv_u32(a + ".context_length", s.n_ctx);
+    w.kv_u32(a + ".embedding_length", s.n_embd);
+    w.kv_u32(a + ".block_count", s.n_layer);
+    w.kv_u32(a + ".attention.head_count", s.n_head);
+    w.kv_u32(a + ".attention.head_count_kv", s.n_head_kv);
+    w.kv_u32(a + ".attention.key_length", s.head_dim);
+    w.kv_u32(a + ".attention.value_length", s.head_dim);
+    w.kv_f32(a + ".attention.layer_norm_rms_epsilon", 1e-6f);
+    w.kv_f32(a + ".rope.freq_base", 10000.0f);
+    w.kv_u32(a + ".expert_count", s.n_expert);
+    w.kv_u32(a + ".expert_used_count", s.n_expert_used);
+    w.kv_u32(a + ".expert_feed_forward_length", s.n_ff);
+    w.kv_str("tokenizer.ggml.model", "gpt2");
+    w.kv_str("tokenizer.ggml.pre", "qwen2");
+    // GPT-2 byte alphabet (bytes_to_unicode) so every input byte has a token.
+    std::vector<std::string> tokens;
+    for (int b = 0; b < 256; ++b) {
+        int cp = b;
+        if (!((b >= 33 && b <= 126) || (b >= 161 && b <= 172) || (b >= 174 && b <= 255))) {
+            int n = 0;
+            for (int c = 0; c < b; ++c) {
+                if (!((c >= 33 && c <= 126) || (c >= 161 && c <= 172) || (c >= 174 && c <= 255))) ++n;
+            }
+            cp = 256 + n;
+        }
+        std::string u;
+        if (cp < 0x80) {
+            u += char(cp);
+        } else {
+            u += char(0xC0 | (cp >> 6));
+            u += char(0x80 | (cp & 0x3F));
+        }
+        tokens.push_back(u);
+    }
+    tokens.push_back("<|endoftext|>");
+    w.kv_str_array("tokenizer.ggml.tokens", tokens);
+    std::vector<int32_t> types(tokens.size(), 1);
+    types.back() = 3;
+    w.kv_array<int32_t>("tokenizer.ggml.token_type", 5, types);
+    w.kv_str_array("tokenizer.ggml.merges", {});
+    w.kv_u32("tokenizer.ggml.eos_token_id", uint32_t(tokens.size() - 1));
+    const uint32_t n_vocab = uint32_t(tokens.size());
+
+    std::mt19937 rng(42);
+    std::normal_distribution<float> dist(0.0f, 0.5f);
+    auto add = [&](std::string name, std::vector<uint64_t> ne, bool ones) {
+        uint32_t type = 0;
+        if (s.edit) s.edit(name, ne, type);
+        if (name.empty()) return;
+        uint64_t n = 1;
+        for (uint64_t d : ne) n *= d;
+        std::vector<float> v(n);
+        for (float &x : v) x = ones ? 1.0f : dist(rng);
+        std::vector<uint8_t> bytes(v.size() * 4);
+        std::memcpy(bytes.data(), v.data(), bytes.size());
+        if (type == 8) bytes.resize(n / 32 * 34);       // q8_0 size
+        else if (type == 12) bytes.resize(n / 256 * 144);  // q4_K size
+        w.tensor(name, type, ne, bytes);
+    };
+    const uint64_t q = s.n_head * s.head_dim, kv = s.n_head_kv * s.head_dim;
+    add("token_embd.weight", {s.n_embd, n_vocab}, false);
+    add("output_norm.weight", {s.n_embd}, true);
+    for (uint32_t i = 0; i < s.n_layer; ++i) {
+        const std::string p = "blk." + std::to_string(i) + ".";
+        add(p + "attn_norm.weight", {s.n_embd}, true);
+        add(p + "attn_q.weight", {s.n_embd, q}, false);
+        add(p + "attn_k.weight", {s.n_embd, kv}, false);
+        add(p + "attn_v.weight", {s.n_embd, kv}, false);
+        add(p + "attn_output.weight", {q, s.n_embd}, false);
+        add(p + "attn_q_norm.weight", {s.head_dim}, true);
+        add(p + "attn_k_norm.weight", {s.head_dim}, true);
+        add(p + "ffn_norm.weight", {s.n_embd}, true);
+        add(p + "ffn_gate_inp.weight", {s.n_embd, s.n_expert}, false);
+        add(p + "ffn_gate_exps.weight", {s.n_embd, s.n_ff, s.n_expert}, false);
+        add(p + "ffn_up_exps.weight", {s.n_embd, s.n_ff, s.n_expert}, false);
+        add(p + "ffn_down_exps.weight", {s.n_ff, s.n_embd, s.n_expert}, false);
+    }
+    w.write(path);
+}
+
+} // namespace prescope::test
