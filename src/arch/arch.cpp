@@ -88,6 +88,14 @@ std::string shape_str(const std::vector<int64_t> &ne) {
     return fmt::format("[{}]", fmt::join(ne, ", "));
 }
 
+/// Shapes match up to trailing 1s, as llama_model_loader::check_tensor_dims accepts ([n] == [n, 1]:
+/// converted Qwen2-MoE files store the shared-expert gate as [n_embd, 1]).
+bool same_shape(std::vector<int64_t> a, std::vector<int64_t> b) {
+    while (a.size() > 1 && a.back() == 1) a.pop_back();
+    while (b.size() > 1 && b.back() == 1) b.pop_back();
+    return a == b;
+}
+
 } // namespace
 
 TensorView ArchLoader::matrix(const std::string &name, std::vector<int64_t> ne, bool optional) {
@@ -96,7 +104,7 @@ TensorView ArchLoader::matrix(const std::string &name, std::vector<int64_t> ne, 
         if (optional) return {};
         fail("{}: missing tensor '{}' (expected shape {})", f_.path(), name, shape_str(ne));
     }
-    if (t->ne != ne) {
+    if (!same_shape(t->ne, ne)) {
         fail("{}: tensor '{}' has shape {}, expected {}", f_.path(), name, shape_str(t->ne), shape_str(ne));
     }
     return f_.tensor_view(name);
