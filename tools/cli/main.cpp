@@ -1,2 +1,30 @@
-// prescope: command line entry point (subcommands added per feature).
-int main() { return 0; }
+// prescope: command line entry point. Subcommands: generate, perplexity, inspect.
+// Bad input ends with one "error: ..." line on stderr and exit code 1.
+#include "cli.h"
+
+#include "core/error.h"
+#include "core/log.h"
+
+#include <cstdio>
+
+int main(int argc, char **argv) {
+    CLI::App app{"PreScope: Mixture-of-Experts inference with expert offloading"};
+    app.require_subcommand(1);
+    prescope::cli::register_generate(app);
+    prescope::cli::register_perplexity(app);
+    prescope::cli::register_inspect(app);
+    try {
+        app.parse(argc, argv);
+    } catch (const CLI::ParseError &e) {
+        return app.exit(e);
+    } catch (const prescope::Error &e) {
+        std::fflush(stdout);
+        std::fprintf(stderr, "error: %s\n", e.what());
+        return 1;
+    } catch (const std::bad_alloc &) {
+        std::fflush(stdout);
+        std::fprintf(stderr, "error: out of memory\n");
+        return 1;
+    }
+    return 0;
+}

@@ -1,0 +1,34 @@
+// Shared pieces of the prescope subcommands: common flags and run statistics.
+#pragma once
+
+#include "runtime/sampler.h"
+
+#include <CLI/CLI.hpp>
+
+#include <cstdint>
+#include <string>
+
+namespace prescope::cli {
+
+/// Flags every model-running subcommand takes (llama.cpp spelling where the meaning is the same).
+struct CommonArgs {
+    std::string model;       // -m
+    int threads = 0;         // -t; 0: physical cores
+    int64_t n_ctx = 4096;    // -c; 0: the model's training context
+    int64_t n_batch = 512;   // -b
+    int verbosity = 0;       // -v (repeatable)
+};
+void add_common_flags(CLI::App &app, CommonArgs &args);
+/// Applies -t and -v; call first in every subcommand.
+void apply_common(const CommonArgs &args);
+
+/// Peak resident set size of this process in MiB (getrusage ru_maxrss).
+double peak_rss_mib();
+/// FNV-1a 64-bit hash of a float buffer's bytes, to compare runs (calm prints the same).
+uint64_t hash_floats(const float *x, size_t n);
+
+void register_generate(CLI::App &app);
+void register_perplexity(CLI::App &app);
+void register_inspect(CLI::App &app);
+
+} // namespace prescope::cli

@@ -1,0 +1,40 @@
+#include "cli.h"
+
+#include "backend/cpu/ops.h"
+#include "core/log.h"
+
+#include <sys/resource.h>
+
+namespace prescope::cli {
+
+void add_common_flags(CLI::App &app, CommonArgs &args) {
+    app.add_option("-m,--model", args.model, "model file (GGUF)")->required()->check(CLI::ExistingFile);
+    app.add_option("-t,--threads", args.threads, "CPU threads (default: physical cores)");
+    app.add_option("-c,--ctx-size", args.n_ctx, "context size in tokens (0: the model's)")->capture_default_str();
+    app.add_option("-b,--batch-size", args.n_batch, "tokens per forward pass")->capture_default_str();
+    app.add_flag("-v,--verbose", args.verbosity, "more logging (repeat for debug)");
+}
+
+void apply_common(const CommonArgs &args) {
+    log_init(args.verbosity);
+    cpu::set_threads(args.threads);
+    spdlog::info("threads: {}", cpu::get_threads());
+}
+
+double peak_rss_mib() {
+    struct rusage ru {};
+    getrusage(RUSAGE_SELF, &ru);
+    return double(ru.ru_maxrss) / 1024.0;
+}
+
+uint64_t hash_floats(const float *x, size_t n) {
+    const auto *p = reinterpret_cast<const unsigned char *>(x);
+    uint64_t h = 1469598103934665603ull;
+    for (size_t i = 0; i < n * sizeof(float); ++i) {
+        h ^= p[i];
+        h *= 1099511628211ull;
+    }
+    return h;
+}
+
+} // namespace prescope::cli

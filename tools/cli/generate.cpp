@@ -1,0 +1,118 @@
+// prescope generate: prompt -> streamed completion on stdout; logs and one stats line on stderr.
+#include "cli.h"
+
+#include "arch/arch.h"
+#include "core/error.h"
+#include "core/log.h"
+#include "runtime/chat-template.h"
+#include "runtime/context.h"
+#include "runtime/sampler.h"
+#include "runtime/tokenizer.h"
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+
+namespace prescope::cli {
+
+namespace {
+
+struct GenerateArgs {
+    CommonArgs common;
+    std::string prompt;       // -p
+    std::string prompt_file;  // -f
+    int64_t n_predict = -1;   // -n; -1: until end of generation or a full context
+    bool chat = false;        // --chat: wrap the prompt as a user turn in the model's chat template
+    SamplerParams sampling;
+};
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t) {
+    return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+std::string read_file(const std::string &path) {
+    std::ifstream in(path, std::ios::binary);
+    if (!in) fail("{}: cannot read the prompt file", path);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    return ss.str();
+}
+
+void run_generate(const GenerateArgs &a) {
+    apply_common(a.common);
+    const auto model = Model::load(a.common.model);
+    const Tokenizer tok = Tokenizer::from_gguf(model->file());
+    std::string prompt = a.prompt_file.empty() ? a.prompt : read_file(a.prompt_file);
+    if (a.chat) prompt = apply_chat_template(model->file(), {{"user", prompt}}, /*add_generation_prompt=*/true);
+    const std::vector<int32_t> prompt_ids = tok.encode(prompt, /*add_special=*/true, /*parse_special=*/true);
+    if (prompt_ids.empty()) fail("the prompt is empty: pass -p TEXT or -f FILE");
+
+    Context ctx(*model, {a.common.n_ctx, a.common.n_batch});
+    if (int64_t(prompt_ids.size()) >= ctx.n_ctx()) {
+        fail("the prompt is {} tokens, longer than the context of {} tokens (use a larger -c)", prompt_ids.size(),
+             ctx.n_ctx());
+    }
+    Sampler sampler(a.sampling);
+    spdlog::info("{}: {} | seed {} | prompt {} tokens", model->file().path(), model->hp().arch, sampler.seed(),
+                 prompt_ids.size());
+    for (int32_t t : prompt_ids) sampler.accept(t);
+
+    const auto t_start = Clock::now();
+    ctx.eval(prompt_ids);
+    const double prefill_s = seconds_since(t_start);
+    double ttft_s = 0.0;
+    int64_t n_decoded = 0;  // forward passes of single generated tokens
+    const auto t_decode = Clock::now();
+    TokenTextStream stream(tok);
+    for (int64_t i = 0; a.n_predict < 0 || i < a.n_predict; ++i) {
+        const int32_t next = sampler.sample(ctx.logits().data(), model->hp().n_vocab);
+        if (i == 0) ttft_s = seconds_since(t_start);
+        if (tok.is_eog(next)) break;
+        sampler.accept(next);
+        std::fputs(stream.push(next).c_str(), stdout);
+        std::fflush(stdout);
+        if (ctx.n_past() >= ctx.n_ctx()) {
+            spdlog::warn("context of {} tokens is full; stopping", ctx.n_ctx());
+            break;
+        }
+        if (a.n_predict >= 0 && i + 1 == a.n_predict) break;  // no forward pass for a token never sampled
+        ctx.eval({&next, 1});
+        ++n_decoded;
+    }
+    std::fputs(stream.flush().c_str(), stdout);
+    std::fputs("\n", stdout);
+    std::fflush(stdout);
+    const double decode_s = seconds_since(t_decode);
+    const std::vector<float> &logits = ctx.logits();
+    std::fprintf(stderr,
+                 "stats: prompt tokens %zu | prefill %.1f tok/s | decode %.1f tok/s (%lld tokens) | "
+                 "ttft %.1f ms | peak RSS %.1f MiB | last logits hash %016llx\n",
+                 prompt_ids.size(), double(prompt_ids.size()) / prefill_s,
+                 n_decoded > 0 ? double(n_decoded) / decode_s : 0.0, (long long)n_decoded, ttft_s * 1e3,
+                 peak_rss_mib(), (unsigned long long)hash_floats(logits.data(), logits.size()));
+}
+
+} // namespace
+
+void register_generate(CLI::App &app) {
+    auto a = std::make_shared<GenerateArgs>();
+    auto *cmd = app.add_subcommand("generate", "generate text from a prompt");
+    add_common_flags(*cmd, a->common);
+    auto *p = cmd->add_option("-p,--prompt", a->prompt, "prompt text");
+    cmd->add_option("-f,--file", a->prompt_file, "read the prompt from a file")->excludes(p);
+    cmd->add_option("-n,--n-predict", a->n_predict, "tokens to generate (-1: until end of text)")->capture_default_str();
+    cmd->add_flag("--chat", a->chat, "wrap the prompt in the model's chat template (ChatML, Mistral [INST])");
+    SamplerParams &s = a->sampling;
+    cmd->add_option("--temp", s.temp, "temperature (0: greedy)")->capture_default_str();
+    cmd->add_option("--top-k", s.top_k, "top-k sampling (0: off)")->capture_default_str();
+    cmd->add_option("--top-p", s.top_p, "top-p sampling (1: off)")->capture_default_str();
+    cmd->add_option("--min-p", s.min_p, "min-p sampling (0: off)")->capture_default_str();
+    cmd->add_option("--repeat-penalty", s.repeat_penalty, "repetition penalty (1: off)")->capture_default_str();
+    cmd->add_option("--repeat-last-n", s.repeat_last_n, "tokens the penalty looks back over")->capture_default_str();
+    cmd->add_option("--seed", s.seed, "RNG seed (default: random)");
+    cmd->callback([a]() { run_generate(*a); });
+}
+
+} // namespace prescope::cli
