@@ -158,8 +158,14 @@ GgufFile::GgufFile(const std::string &path) : map_(path) {
     const uint64_t n_tensors = r.read<uint64_t>("tensor count");
     const uint64_t n_kv = r.read<uint64_t>("metadata count");
     // A key-value pair takes at least 8 (key length) + 4 (type) + 1 bytes; a tensor info 8 + 4 + 4 + 8.
-    if (n_kv > r.remaining() / 13) fail("{}: metadata count {} exceeds what the file can hold", path, n_kv);
-    if (n_tensors > r.remaining() / 24) fail("{}: tensor count {} exceeds what the file can hold", path, n_tensors);
+    if (n_kv > r.remaining() / 13) {
+        fail("{}: truncated or corrupt file: metadata count {} needs more than the {} bytes left", path, n_kv,
+             r.remaining());
+    }
+    if (n_tensors > r.remaining() / 24) {
+        fail("{}: truncated or corrupt file: tensor count {} needs more than the {} bytes left", path, n_tensors,
+             r.remaining());
+    }
 
     for (uint64_t i = 0; i < n_kv; ++i) {
         std::string key = r.read_string(fmt::format("metadata key #{}", i));

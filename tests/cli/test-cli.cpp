@@ -1,0 +1,149 @@
+// The prescope binary on bad input: one "error: ..." line naming the file, the tensor and what was
+// expected, exit code 1, no crash and no hang (each case runs under `timeout`).
+#include "../common/tiny-model.h"
+
+#include <gtest/gtest.h>
+
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sys/wait.h>
+
+namespace fs = std::filesystem;
+using prescope::test::TinyModelSpec;
+
+namespace {
+
+struct RunResult {
+    int exit_code = -1;
+    std::string out;  // stdout and stderr together
+};
+
+RunResult run(const std::string &args) {
+    const std::string cmd = "timeout 60 " + std::string(PRESCOPE_BINARY_DIR) + "/bin/prescope " + args + " 2>&1";
+    RunResult r;
+    FILE *p = popen(cmd.c_str(), "r");
+    std::array<char, 4096> buf{};
+    while (fgets(buf.data(), int(buf.size()), p)) r.out += buf.data();
+    const int status = pclose(p);
+    r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    return r;
+}
+
+std::string tmp(const std::string &name) {
+    return (fs::temp_directory_path() / ("prescope-cli-" + name)).string();
+}
+
+std::string valid_model() {
+    const std::string p = tmp("valid.gguf");
+    prescope::test::write_tiny_model(p, {});
+    return p;
+}
+
+std::vector<char> read_bytes(const std::string &p) {
+    std::ifstream in(p, std::ios::binary);
+    return {std::istreambuf_iterator<char>(in), {}};
+}
+
+void write_bytes(const std::string &p, const std::vector<char> &b) {
+    std::ofstream(p, std::ios::binary).write(b.data(), std::streamsize(b.size()));
+}
+
+/// Runs `generate` on `model` and expects exit 1 with one error line containing every needle.
+void expect_generate_error(const std::string &model, const std::vector<std::string> &needles,
+                           const std::string &extra = "-p hello -n 4") {
+    const RunResult r = run("generate -m " + model + " " + extra);
+    EXPECT_EQ(r.exit_code, 1) << r.out;
+    const auto pos = r.out.find("error: ");
+    ASSERT_NE(pos, std::string::npos) << r.out;
+    const std::string line = r.out.substr(pos, r.out.find('\n', pos) - pos);
+    for (const auto &n : needles) EXPECT_NE(line.find(n), std::string::npos) << "'" << n << "' not in: " << line;
+}
+
+} // namespace
+
+TEST(Cli, ValidModelGenerates) {
+    const RunResult r = run("generate -m " + valid_model() + " -p hello -n 4 --temp 0");
+    EXPECT_EQ(r.exit_code, 0) << r.out;
+    EXPECT_NE(r.out.find("stats: prompt tokens 5"), std::string::npos) << r.out;
+}
+
+TEST(Cli, BadMagic) {
+    auto b = read_bytes(valid_model());
+    b[0] = 'Z';
+    const std::string p = tmp("magic.gguf");
+    write_bytes(p, b);
+    expect_generate_error(p, {p, "bad magic", "'GGUF'"});
+}
+
+TEST(Cli, TruncatedFile) {
+    auto b = read_bytes(valid_model());
+    b.resize(200);  // cuts into the metadata
+    const std::string p = tmp("trunc.gguf");
+    write_bytes(p, b);
+    expect_generate_error(p, {p, "truncated"});
+}
+
+TEST(Cli, TensorDataPastTheEnd) {
+    auto b = read_bytes(valid_model());
+    b.resize(b.size() - 100);  // the last tensor's data now ends past the end of the file
+    const std::string p = tmp("pastend.gguf");
+    write_bytes(p, b);
+    expect_generate_error(p, {p, "tensor 'blk.1.ffn_down_exps.weight' data", "past the end of the file"});
+}
+
+TEST(Cli, MissingTensor) {
+    TinyModelSpec s;
+    s.edit = [](std::string &name, auto &, auto &) {
+        if (name == "blk.0.attn_v.weight") name.clear();
+    };
+    const std::string p = tmp("missing.gguf");
+    prescope::test::write_tiny_model(p, s);
+    expect_generate_error(p, {p, "missing tensor 'blk.0.attn_v.weight'", "expected shape [32, 16]"});
+}
+
+TEST(Cli, WrongShape) {
+    TinyModelSpec s;
+    s.edit = [](std::string &name, std::vector<uint64_t> &ne, auto &) {
+        if (name == "blk.1.ffn_down_exps.weight") ne = {32, 32, 3};
+    };
+    const std::string p = tmp("shape.gguf");
+    prescope::test::write_tiny_model(p, s);
+    expect_generate_error(p, {p, "'blk.1.ffn_down_exps.weight' has shape [32, 32, 3], expected [32, 32, 4]"});
+}
+
+TEST(Cli, UnsupportedDtype) {
+    TinyModelSpec s;
+    s.n_embd = 256;
+    s.edit = [](std::string &name, auto &, uint32_t &type) {
+        if (name == "token_embd.weight") type = 12;
+    };
+    const std::string p = tmp("dtype.gguf");
+    prescope::test::write_tiny_model(p, s);
+    expect_generate_error(p, {p, "'token_embd.weight' has unsupported dtype q4_K", "supported: f32, f16, bf16, q8_0"});
+}
+
+TEST(Cli, UnsupportedArchitecture) {
+    TinyModelSpec s;
+    s.arch = "mamba";
+    const std::string p = tmp("arch.gguf");
+    prescope::test::write_tiny_model(p, s);
+    expect_generate_error(p, {p, "unsupported architecture 'mamba'"});
+}
+
+TEST(Cli, PromptLongerThanContext) {
+    expect_generate_error(valid_model(), {"prompt is 11 tokens", "context of 8 tokens"}, "-p abcdefghijk -c 8");
+}
+
+TEST(Cli, MissingPromptFile) {
+    expect_generate_error(valid_model(), {"/nonexistent/prompt.txt", "cannot read"}, "-f /nonexistent/prompt.txt");
+}
+
+TEST(Cli, PerplexityNeedsEnoughText) {
+    const std::string text = tmp("short.txt");
+    std::ofstream(text) << "too short";
+    const RunResult r = run("perplexity -m " + valid_model() + " -f " + text + " -c 64");
+    EXPECT_EQ(r.exit_code, 1) << r.out;
+    EXPECT_NE(r.out.find("error: perplexity needs at least 128 tokens"), std::string::npos) << r.out;
+}
