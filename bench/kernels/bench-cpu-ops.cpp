@@ -10,9 +10,12 @@
 // - matmul/<dtype>/<n_in>x<n_out>/tok:<n>: one expert matrix (2048x768 gate/up, 768x2048 down), the
 //   weights cycled through a pool of copies larger than L3 so every call reads them from DRAM, as
 //   MoE decode does. GB/s counts weight bytes; of_mem = GB/s / mem_read; GFLOP/s = 2*n_in*n_out*n_tok.
+// - matmul_hot/<dtype>/2048x128: one small matrix again and again (in cache): the kernel's compute
+//   speed, to set against one core's share of mem_read.
 // - sgemm_openblas: the same product on F32 weights by one multi-threaded OpenBLAS sgemm call (the
 //   baseline of the sgemm path).
-// - matmul_path/<path>: GEMV against tile + sgemm at small token counts (sets the crossover).
+// - matmul_path/<dtype>/2048x768/tok:<n>/path:<p>: one product forced through GEMV (0), F32 tiles +
+//   own register-blocked GEMM (1) or F32 tiles + OpenBLAS sgemm (2): sets the crossover and backend.
 // - experts8_batch vs experts8_loop: one matmul_batch over 8 experts vs 8 matmul calls (decode).
 // - attention/decode, attention/prefill: Qwen3-30B-A3B heads (32 query, 4 KV, head_dim 128).
 #include "backend/cpu/kernels.h"
@@ -32,6 +35,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 extern "C" void openblas_set_num_threads(int num_threads);
@@ -152,6 +156,20 @@ void BM_matmul(benchmark::State &state, DType type, int64_t n_in, int64_t n_out)
     set_bandwidth_counters(state, double(pool.matrix_bytes), 2.0 * double(n_in * n_out * n_tok));
 }
 
+/// One small matrix (2048x128) multiplied again and again, so it stays in cache: the kernel's compute
+/// speed without DRAM, to read against one core's share of mem_read (run with --threads=1).
+void BM_matmul_hot(benchmark::State &state, DType type) {
+    const int64_t n_in = 2048, n_out = 128, n_tok = state.range(0);
+    const std::vector<uint8_t> w = make_matrix(type, n_in, n_out);
+    const std::vector<float> x = random_floats(size_t(n_tok * n_in), 7);
+    std::vector<float> y(size_t(n_tok * n_out));
+    for (auto _ : state) {
+        matmul(type, w.data(), n_in, n_out, x.data(), n_tok, y.data());
+        benchmark::ClobberMemory();
+    }
+    set_bandwidth_counters(state, double(w.size()), 2.0 * double(n_in * n_out * n_tok));
+}
+
 void BM_sgemm_openblas(benchmark::State &state, int64_t n_in, int64_t n_out) {
     const int64_t n_tok = state.range(0);
     const Pool &pool = get_pool(DType::F32, n_in, n_out);
@@ -168,20 +186,23 @@ void BM_sgemm_openblas(benchmark::State &state, int64_t n_in, int64_t n_out) {
     set_bandwidth_counters(state, double(pool.matrix_bytes), 2.0 * double(n_in * n_out * n_tok));
 }
 
-/// Same product forced through one path: range(1) = 0 GEMV, 1 tile + sgemm.
+/// Same product forced through one path: range(1) = 0 GEMV, 1 tiles + own GEMM, 2 tiles + OpenBLAS.
 void BM_matmul_path(benchmark::State &state, DType type) {
-    const int64_t n_in = 2048, n_out = 768, n_tok = state.range(0);
+    const int64_t n_in = 2048, n_out = 768, n_tok = state.range(0), path = state.range(1);
     const Pool &pool = get_pool(type, n_in, n_out);
     const std::vector<float> x = random_floats(size_t(n_tok * n_in), 7);
     std::vector<float> y(size_t(n_tok * n_out));
-    const int64_t saved = gemm_min_tokens();
-    set_gemm_min_tokens(state.range(1) ? 1 : n_tok + 1);
+    const int64_t saved_min = gemm_min_tokens();
+    const GemmBackend saved_backend = gemm_backend();
+    set_gemm_min_tokens(path == 0 ? n_tok + 1 : 1);
+    set_gemm_backend(path == 2 ? GemmBackend::OPENBLAS : GemmBackend::OWN);
     size_t i = 0;
     for (auto _ : state) {
         matmul(type, pool.matrix(i++), n_in, n_out, x.data(), n_tok, y.data());
         benchmark::ClobberMemory();
     }
-    set_gemm_min_tokens(saved);
+    set_gemm_min_tokens(saved_min);
+    set_gemm_backend(saved_backend);
     set_bandwidth_counters(state, double(pool.matrix_bytes), 2.0 * double(n_in * n_out * n_tok));
 }
 
@@ -229,8 +250,19 @@ void BM_attention(benchmark::State &state) {
     set_bandwidth_counters(state, kv_bytes, flops);
 }
 
+/// Adds the fastest repetition to the aggregates (--benchmark_repetitions=N): on a shared machine the
+/// minimum is the least disturbed run.
+benchmark::internal::Benchmark *with_min(benchmark::internal::Benchmark *b) {
+    return b->ComputeStatistics("min", [](const std::vector<double> &v) { return *std::min_element(v.begin(), v.end()); });
+}
+
+template <class... A>
+benchmark::internal::Benchmark *add(const std::string &name, A &&...args) {
+    return with_min(benchmark::RegisterBenchmark(name.c_str(), std::forward<A>(args)...));
+}
+
 void register_benchmarks() {
-    benchmark::RegisterBenchmark("mem_read", BM_mem_read)->UseRealTime()->Unit(benchmark::kMillisecond);
+    add("mem_read", BM_mem_read)->UseRealTime()->Unit(benchmark::kMillisecond);
     const struct {
         int64_t n_in, n_out;
     } shapes[] = {{2048, 768}, {768, 2048}};
@@ -239,29 +271,34 @@ void register_benchmarks() {
         for (DType t : types) {
             const std::string name =
                 std::string("matmul/") + dtype_name(t) + "/" + std::to_string(s.n_in) + "x" + std::to_string(s.n_out);
-            benchmark::RegisterBenchmark(name.c_str(), BM_matmul, t, s.n_in, s.n_out)
+            add(name.c_str(), BM_matmul, t, s.n_in, s.n_out)
                 ->ArgName("tok")
                 ->Args({1})->Args({4})->Args({8})->Args({32})->Args({512})
                 ->UseRealTime()
                 ->Unit(benchmark::kMicrosecond);
         }
         const std::string name = "sgemm_openblas/f32/" + std::to_string(s.n_in) + "x" + std::to_string(s.n_out);
-        benchmark::RegisterBenchmark(name.c_str(), BM_sgemm_openblas, s.n_in, s.n_out)
+        add(name.c_str(), BM_sgemm_openblas, s.n_in, s.n_out)
             ->ArgName("tok")->Args({32})->Args({512})->UseRealTime()->Unit(benchmark::kMicrosecond);
     }
+    for (DType t : types) {
+        add((std::string("matmul_hot/") + dtype_name(t) + "/2048x128").c_str(),
+                                     BM_matmul_hot, t)
+            ->ArgName("tok")->Args({1})->Args({8})->UseRealTime()->Unit(benchmark::kMicrosecond);
+    }
     for (DType t : {DType::BF16, DType::Q8_0}) {
-        benchmark::RegisterBenchmark((std::string("matmul_path/") + dtype_name(t) + "/2048x768").c_str(),
+        add((std::string("matmul_path/") + dtype_name(t) + "/2048x768").c_str(),
                                      BM_matmul_path, t)
-            ->ArgNames({"tok", "sgemm"})
-            ->ArgsProduct({{4, 8, 12, 16, 24, 32}, {0, 1}})
+            ->ArgNames({"tok", "path"})
+            ->ArgsProduct({{4, 8, 12, 16, 24, 32, 64, 512}, {0, 1, 2}})
             ->UseRealTime()
             ->Unit(benchmark::kMicrosecond);
-        benchmark::RegisterBenchmark((std::string("experts8/") + dtype_name(t) + "/2048x768").c_str(), BM_experts8, t)
+        add((std::string("experts8/") + dtype_name(t) + "/2048x768").c_str(), BM_experts8, t)
             ->ArgName("batch")->Args({0})->Args({1})->UseRealTime()->Unit(benchmark::kMicrosecond);
     }
-    benchmark::RegisterBenchmark("attention/decode", BM_attention)
+    add("attention/decode", BM_attention)
         ->ArgNames({"tok", "pos0"})->Args({1, 512})->Args({1, 4096})->UseRealTime()->Unit(benchmark::kMicrosecond);
-    benchmark::RegisterBenchmark("attention/prefill", BM_attention)
+    add("attention/prefill", BM_attention)
         ->ArgNames({"tok", "pos0"})->Args({512, 0})->UseRealTime()->Unit(benchmark::kMillisecond);
 }
 

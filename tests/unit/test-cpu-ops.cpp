@@ -10,6 +10,7 @@
 // - rope: |err| <= 5e-7 * (1 + theta) * |pair| (the angle is an F32 product pos * inv_freq, as in HF).
 // - attention: |err| <= 2e-5 * sum_j p_j |v_j| per output element.
 // - get_rows, add_bias, top_k: exact.
+#include "backend/cpu/kernels.h"
 #include "backend/cpu/ops.h"
 #include "core/dtype.h"
 #include "core/error.h"
@@ -272,7 +273,7 @@ TEST(CpuOps, MatmulInsideParallelRegion) {
 TEST(CpuOps, MatmulBatchMatchesReference) {
     std::mt19937 rng(11);
     const int64_t n_in = 96, n_out = 40;
-    const int64_t toks[] = {0, 1, 3, 20, 2, 33};  // empty, GEMV and sgemm jobs mixed
+    const int64_t toks[] = {0, 1, 3, 20, 2, 33, 70};  // empty, GEMV and GEMM jobs (70: two token blocks)
     for (DType type : kWeightTypes) {
         SCOPED_TRACE(dtype_name(type));
         std::vector<Weights> ws;
@@ -285,16 +286,22 @@ TEST(CpuOps, MatmulBatchMatchesReference) {
             scales.emplace_back();
             reference_matmul(ws.back().stored, n_in, n_out, xs.back(), nt, refs.back(), scales.back());
         }
-        for_each_config([&] {
-            std::vector<MatmulJob> jobs;
-            ys.assign(std::size(toks), {});
-            for (size_t j = 0; j < std::size(toks); ++j) {
-                ys[j].assign(size_t(toks[j] * n_out), kNaN);
-                jobs.push_back({ws[j].bytes.data(), xs[j].data(), toks[j], ys[j].data()});
-            }
-            matmul_batch(type, n_in, n_out, jobs.data(), int64_t(jobs.size()));
-            for (size_t j = 0; j < std::size(toks); ++j) EXPECT_TRUE(all_close(ys[j], refs[j], scales[j], kMatmulTol));
-        });
+        for (GemmBackend backend : {GemmBackend::OWN, GemmBackend::OPENBLAS}) {
+            SCOPED_TRACE(backend == GemmBackend::OWN ? "own gemm" : "openblas");
+            set_gemm_backend(backend);
+            for_each_config([&] {
+                std::vector<MatmulJob> jobs;
+                ys.assign(std::size(toks), {});
+                for (size_t j = 0; j < std::size(toks); ++j) {
+                    ys[j].assign(size_t(toks[j] * n_out), kNaN);
+                    jobs.push_back({ws[j].bytes.data(), xs[j].data(), toks[j], ys[j].data()});
+                }
+                matmul_batch(type, n_in, n_out, jobs.data(), int64_t(jobs.size()));
+                for (size_t j = 0; j < std::size(toks); ++j)
+                    EXPECT_TRUE(all_close(ys[j], refs[j], scales[j], kMatmulTol));
+            });
+        }
+        set_gemm_backend(GemmBackend::OWN);
     }
 }
 

@@ -23,6 +23,9 @@ struct VecAvx2 {
     using V = __m256;
     static constexpr int N = 8;
     static constexpr int max_tokens = 4;  // 4 accumulators + weights + x in 16 ymm registers
+    // Register blocks of the GEMM: 1..2 vectors of 8 tokens x 8, 6 rows (8 or 12 of 16 ymm registers).
+    static constexpr int gemm_vecs = 2, gemm_row_pad = 24;
+    static constexpr int gemm_rows[gemm_vecs] = {8, 6};
     static V zero() { return _mm256_setzero_ps(); }
     static V set1(float a) { return _mm256_set1_ps(a); }
     static V load(const float *p) { return _mm256_loadu_ps(p); }

@@ -28,6 +28,10 @@ struct VecAvx512 {
     using V = __m512;
     static constexpr int N = 16;
     static constexpr int max_tokens = 8;  // 8 accumulators + weights + x in 32 zmm registers
+    // Register blocks of the GEMM: 1..4 vectors of 16 tokens x 12, 8, 6, 6 rows (12 to 24 accumulators
+    // of 32 zmm registers: at least 8 chains to cover the FMA latency).
+    static constexpr int gemm_vecs = 4, gemm_row_pad = 24;
+    static constexpr int gemm_rows[gemm_vecs] = {12, 8, 6, 6};
     static V zero() { return _mm512_setzero_ps(); }
     static V set1(float a) { return _mm512_set1_ps(a); }
     static V load(const float *p) { return _mm512_loadu_ps(p); }

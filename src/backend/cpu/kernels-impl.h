@@ -4,7 +4,9 @@
 //
 // S provides: type V of N F32 lanes; zero, set1, load, store, add, mul, fmadd, reduce (horizontal
 // sum); load_f16 / load_bf16 / load_q8 (N elements converted to F32); f16 (one scalar half);
-// max_tokens (tokens computed together per weight row: bounded by the register file).
+// max_tokens (tokens computed together per weight row by the GEMV); gemm_vecs (vectors of N tokens
+// per GEMM register block), gemm_rows[v - 1] (weight rows of a block of v vectors) and gemm_row_pad
+// (a multiple of every gemm_rows), all bounded by the register file.
 #pragma once
 
 #include "backend/cpu/kernels.h"
@@ -201,6 +203,61 @@ void weighted_row_sum(const float *p, const float *v, int64_t v_stride, int64_t 
     }
 }
 
+/// R x TV register block of a GEMM, outer-product form: out[r][v*N + l] = sum_k w[r][k] * xt[k][v*N + l].
+/// w: R F32 rows (stride ldw), xt: the activations transposed, [n][ldxt] (token index fastest), so
+/// each k costs TV vector loads, R broadcasts and R*TV FMAs, all accumulators in registers.
+template <class S, int R, int TV>
+void gemm_block(const float *w, int64_t ldw, const float *xt, int64_t ldxt, int64_t n, float *out) {
+    using V = typename S::V;
+    constexpr int N = S::N;
+    V acc[R][TV];
+    for (int r = 0; r < R; ++r)
+        for (int v = 0; v < TV; ++v) acc[r][v] = S::zero();
+    for (int64_t k = 0; k < n; ++k) {
+        V xv[TV];
+#pragma GCC unroll 4
+        for (int v = 0; v < TV; ++v) xv[v] = S::load(xt + k * ldxt + v * N);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+            const V wb = S::set1(w[r * ldw + k]);
+#pragma GCC unroll 4
+            for (int v = 0; v < TV; ++v) acc[r][v] = S::fmadd(wb, xv[v], acc[r][v]);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int v = 0; v < TV; ++v) S::store(out + (r * TV + v) * N, acc[r][v]);
+}
+
+using GemmBlockFn = void (*)(const float *, int64_t, const float *, int64_t, int64_t, float *);
+
+template <class S, int... Vs>
+constexpr std::array<GemmBlockFn, sizeof...(Vs)> gemm_block_table(std::integer_sequence<int, Vs...>) {
+    return {&gemm_block<S, S::gemm_rows[Vs], Vs + 1>...};
+}
+
+/// KernelTable::gemm: token blocks of gemm_vecs * N outer (each a contiguous [n][block] slice of xt,
+/// read from L2), row blocks inner (the F32 weight tile stays in L2 too). A block of v token vectors
+/// takes gemm_rows[v - 1] rows: enough accumulators to hide the FMA latency when v is small.
+template <class S>
+void gemm(const float *w, int64_t n_rows, int64_t n, const float *xt, int64_t n_tok, float *y, int64_t ldy) {
+    constexpr int N = S::N, TVM = S::gemm_vecs, TB = TVM * N;
+    static_assert(std::size(S::gemm_rows) == TVM);
+    static constexpr auto blocks = gemm_block_table<S>(std::make_integer_sequence<int, TVM>());
+    alignas(64) float out[S::gemm_row_pad * TB];
+    for (int64_t t0 = 0; t0 < n_tok; t0 += TB) {
+        const int64_t nt = std::min<int64_t>(TB, n_tok - t0);
+        const int64_t tv = (nt + N - 1) / N;
+        const int64_t R = S::gemm_rows[tv - 1];
+        const float *xb = xt + t0 * n;  // block t0 / TB: [n][TB]
+        for (int64_t r0 = 0; r0 < n_rows; r0 += R) {
+            blocks[tv - 1](w + r0 * n, n, xb, TB, n, out);
+            const int64_t nr = std::min<int64_t>(R, n_rows - r0);
+            for (int64_t r = 0; r < nr; ++r)
+                for (int64_t t = 0; t < nt; ++t) y[(t0 + t) * ldy + r0 + r] = out[r * tv * N + t];
+        }
+    }
+}
+
 template <class S>
 prescope::cpu::KernelTable make_kernel_table() {
     prescope::cpu::KernelTable k{};
@@ -213,6 +270,9 @@ prescope::cpu::KernelTable make_kernel_table() {
     k.convert[2] = &convert<S, DType::BF16>;
     k.convert[3] = &convert<S, DType::Q8_0>;
     k.weighted_row_sum = &weighted_row_sum<S>;
+    k.gemm = &gemm<S>;
+    k.gemm_row_pad = S::gemm_row_pad;
+    k.gemm_tokens = S::gemm_vecs * S::N;
     return k;
 }
 

@@ -13,6 +13,8 @@ namespace {
 struct VecScalar {
     static constexpr int N = 8;
     static constexpr int max_tokens = 4;
+    static constexpr int gemm_vecs = 2, gemm_row_pad = 4;
+    static constexpr int gemm_rows[gemm_vecs] = {4, 4};
     struct V {
         float v[N];
     };

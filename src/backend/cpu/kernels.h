@@ -36,6 +36,13 @@ struct KernelTable {
     /// out[i] = sum_j p[j] * v[j * v_stride + i] for i < n, j < n_rows (attention's P.V); F32.
     void (*weighted_row_sum)(const float *p, const float *v, int64_t v_stride, int64_t n_rows, int64_t n,
                              float *out);
+    /// y[t * ldy + r] = sum_k w[r * n + k] * x[t][k] for r < n_rows, t < n_tok: F32 weight rows times
+    /// activations packed transposed in blocks of gemm_tokens: xt[b][k][j] = x[b * gemm_tokens + j][k]
+    /// (zero past n_tok). w holds round_up(n_rows, gemm_row_pad) rows (the extra ones are read, their
+    /// results dropped).
+    void (*gemm)(const float *w, int64_t n_rows, int64_t n, const float *xt, int64_t n_tok, float *y, int64_t ldy);
+    int gemm_row_pad;  // weight rows of gemm's tiles are padded to a multiple of this
+    int gemm_tokens;   // tokens per block of gemm's packed activations
 };
 
 /// Tables of each ISA. The AVX2 and AVX-512 ones may only be used when the CPU supports them.
@@ -50,6 +57,14 @@ const KernelTable &kernels();
 /// benchmark sweeps it; the default is the measured crossover).
 int64_t gemm_min_tokens();
 void set_gemm_min_tokens(int64_t n);
+
+/// How the GEMM path multiplies an F32 weight tile (a knob for the benchmark; OWN is the default).
+enum class GemmBackend {
+    OWN,       // KernelTable::gemm on transposed activations
+    OPENBLAS,  // cblas_sgemm, single-threaded inside our threads
+};
+GemmBackend gemm_backend();
+void set_gemm_backend(GemmBackend b);
 
 /// Threads a kernel should use when called from here: 1 inside an OpenMP parallel region,
 /// get_threads() otherwise.

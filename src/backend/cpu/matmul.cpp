@@ -1,6 +1,6 @@
 // Weight x activation products: weights (F32, F16, BF16, Q8_0) read in place, activations F32.
 // Few tokens: SIMD GEMV (memory-bound decode). Many tokens: weight tiles converted to F32 in L2,
-// then OpenBLAS sgemm, one single-threaded sgemm per OpenMP thread. Decision 0011.
+// then a register-blocked GEMM on the transposed activations (or OpenBLAS sgemm). Decision 0011.
 #include "backend/cpu/ops.h"
 
 #include "backend/cpu/kernels.h"
@@ -16,40 +16,68 @@ namespace prescope::cpu {
 
 namespace {
 
-// From this many tokens a job takes the tile + sgemm path. Measured (bench-cpu-ops,
-// BM_matmul_path): see docs/decisions/0011-cpu-matmul-paths.md.
+// From this many tokens a job takes the GEMM path. Measured (bench-cpu-ops, matmul_path):
+// docs/decisions/0011-cpu-matmul-paths.md.
 std::atomic<int64_t> g_gemm_min_tokens{16};
-// F32 weight tile per thread on the sgemm path: small enough to stay in L2 while sgemm reads it.
-constexpr int64_t kTileBytes = 256 << 10;
+std::atomic<int> g_gemm_backend{int(GemmBackend::OWN)};
+// F32 weight tile per thread on the GEMM path: stays in L2 (2 MiB per Sapphire Rapids core) next to
+// the slice of transposed activations that the register blocks read.
+constexpr int64_t kTileBytes = 512 << 10;
 // Smallest slice of rows handed to a thread, so each one streams a contiguous stretch of weights.
 constexpr int64_t kMinRowsPerItem = 16;
+// Rows of the transposed activations written per packing task.
+constexpr int64_t kPackRows = 64;
 
 struct WorkItem {
     int64_t job, r0, r1;  // rows [r0, r1) of jobs[job]
+};
+
+struct PackItem {
+    int64_t job, k0, k1;  // rows [k0, k1) of jobs[job]'s transposed activations
 };
 
 int64_t ceil_div(int64_t a, int64_t b) {
     return (a + b - 1) / b;
 }
 
-/// y rows [r0, r1) of one job through F32 tiles and sgemm: Y[:, r0:r1] = X . W[r0:r1]^T.
-void gemm_rows(const KernelTable &k, DType type, const uint8_t *w, size_t row_bytes, int64_t n_in,
-               int64_t n_out, int64_t r0, int64_t r1, const float *x, int64_t n_tok, float *y) {
-    const auto sgemm = [&](const float *wt, int64_t r, int64_t nr) {
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(n_tok), int(nr), int(n_in), 1.0f, x, int(n_in),
-                    wt, int(n_in), 0.0f, y + r, int(n_out));
-    };
-    if (type == DType::F32) {
-        sgemm(reinterpret_cast<const float *>(w + size_t(r0) * row_bytes), r0, r1 - r0);
-        return;
+int64_t round_up(int64_t a, int64_t b) {
+    return ceil_div(a, b) * b;
+}
+
+/// Packs rows [k0, k1) of x's transpose in blocks of tb tokens: xt[b][k][j] = x[b * tb + j][k], zero
+/// past n_tok (the layout KernelTable::gemm reads).
+void pack_transposed(const float *x, int64_t n_in, int64_t n_tok, int64_t tb, int64_t k0, int64_t k1, float *xt) {
+    for (int64_t b = 0; b * tb < n_tok; ++b) {
+        const int64_t nt = std::min(tb, n_tok - b * tb);
+        const float *xb = x + b * tb * n_in;
+        for (int64_t k = k0; k < k1; ++k) {
+            float *row = xt + (b * n_in + k) * tb;
+            for (int64_t j = 0; j < nt; ++j) row[j] = xb[j * n_in + k];
+            std::fill(row + nt, row + tb, 0.0f);
+        }
     }
-    const int64_t tile_rows = std::max<int64_t>(16, kTileBytes / (n_in * 4));
+}
+
+/// Rows [r0, r1) of one GEMM job: weight tiles converted to F32, then KernelTable::gemm on the
+/// packed activations xt, or OpenBLAS sgemm on x.
+void gemm_rows(const KernelTable &k, DType type, const uint8_t *w, size_t row_bytes, int64_t n_in, int64_t n_out,
+               int64_t r0, int64_t r1, const float *x, const float *xt, int64_t n_tok, float *y) {
+    const bool own = GemmBackend(g_gemm_backend.load()) == GemmBackend::OWN;
+    const int64_t block = own ? k.gemm_row_pad : 1;
+    const int64_t tile_rows = std::max<int64_t>(block, kTileBytes / (n_in * 4) / block * block);
     thread_local std::vector<float> tile;
-    tile.resize(size_t(std::min(tile_rows, r1 - r0) * n_in));
+    tile.resize(size_t(std::min(tile_rows, round_up(r1 - r0, block)) * n_in));
     for (int64_t r = r0; r < r1; r += tile_rows) {
         const int64_t nr = std::min(tile_rows, r1 - r);
         k.convert[dtype_index(type)](w + size_t(r) * row_bytes, row_bytes, nr, n_in, tile.data());
-        sgemm(tile.data(), r, nr);
+        if (own) {
+            // The register blocks read whole groups of rows: zero the padding after the last row.
+            std::fill(tile.begin() + nr * n_in, tile.begin() + round_up(nr, block) * n_in, 0.0f);
+            k.gemm(tile.data(), nr, n_in, xt, n_tok, y + r, n_out);
+        } else {
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(n_tok), int(nr), int(n_in), 1.0f, x, int(n_in),
+                        tile.data(), int(n_in), 0.0f, y + r, int(n_out));
+        }
     }
 }
 
@@ -63,15 +91,24 @@ void set_gemm_min_tokens(int64_t n) {
     g_gemm_min_tokens.store(std::max<int64_t>(1, n));
 }
 
+GemmBackend gemm_backend() {
+    return GemmBackend(g_gemm_backend.load());
+}
+
+void set_gemm_backend(GemmBackend b) {
+    g_gemm_backend.store(int(b));
+}
+
 void matmul_batch(DType type, int64_t n_in, int64_t n_out, const MatmulJob *jobs, int64_t n_jobs) {
     PRESCOPE_ASSERT(n_in > 0 && n_in % dtype_block_elems(type) == 0 && n_out >= 0);
     const KernelTable &k = kernels();
     const size_t row_bytes = dtype_row_bytes(type, n_in);
     const int nth = threads_here();
     const int64_t min_gemm_tok = gemm_min_tokens();
+    const bool own_gemm = gemm_backend() == GemmBackend::OWN;
 
     // Share the rows out: GEMV jobs cost about their bytes, so about two slices per thread (dynamic
-    // scheduling evens out the rest). sgemm jobs cost tokens x rows: one slice per thread for a single
+    // scheduling evens out the rest). GEMM jobs cost tokens x rows: one slice per thread for a single
     // job; several jobs (prefill experts) in slices of about a quarter of a thread's share.
     int64_t gemv_rows = 0, gemm_work = 0, n_gemm_jobs = 0;
     for (int64_t j = 0; j < n_jobs; ++j) {
@@ -87,25 +124,49 @@ void matmul_batch(DType type, int64_t n_in, int64_t n_out, const MatmulJob *jobs
     const int64_t gemv_chunk = std::max(kMinRowsPerItem, ceil_div(gemv_rows, 2 * int64_t(nth)));
     const int64_t gemm_work_per_item = ceil_div(gemm_work, int64_t(nth) * (n_gemm_jobs > 1 ? 4 : 1));
     std::vector<WorkItem> items;
+    // GEMM jobs read their activations packed (pack_transposed); the buffer belongs to the calling
+    // thread and is kept between calls (the workers only read it).
+    thread_local std::vector<float> xt_buf;
+    std::vector<int64_t> xt_offset(size_t(n_jobs), 0);
+    std::vector<PackItem> pack;
+    size_t xt_size = 0;
     for (int64_t j = 0; j < n_jobs; ++j) {
         const int64_t nt = jobs[j].n_tok;
         if (nt == 0) continue;
-        const int64_t chunk =
-            nt < min_gemm_tok ? gemv_chunk : std::max(kMinRowsPerItem, ceil_div(gemm_work_per_item, nt));
+        const bool gemm = nt >= min_gemm_tok;
+        const int64_t chunk = gemm ? round_up(std::max(kMinRowsPerItem, ceil_div(gemm_work_per_item, nt)), k.gemm_row_pad)
+                                   : gemv_chunk;
         for (int64_t r0 = 0; r0 < n_out; r0 += chunk) items.push_back({j, r0, std::min(n_out, r0 + chunk)});
+        if (gemm && own_gemm) {
+            xt_offset[size_t(j)] = int64_t(xt_size);
+            xt_size += size_t(n_in * round_up(nt, k.gemm_tokens));
+            for (int64_t k0 = 0; k0 < n_in; k0 += kPackRows) pack.push_back({j, k0, std::min(n_in, k0 + kPackRows)});
+        }
     }
+    if (xt_buf.size() < xt_size) xt_buf.resize(xt_size);
+    float *xt = xt_buf.data();
 
-    const auto n_items = int64_t(items.size());
-#pragma omp parallel for num_threads(nth) schedule(dynamic, 1) if (nth > 1 && n_items > 1)
-    for (int64_t i = 0; i < n_items; ++i) {
-        const WorkItem &it = items[size_t(i)];
-        const MatmulJob &job = jobs[it.job];
-        const auto *w = static_cast<const uint8_t *>(job.w);
-        if (job.n_tok < min_gemm_tok) {
-            k.gemv[dtype_index(type)](w + size_t(it.r0) * row_bytes, row_bytes, it.r1 - it.r0, n_in, job.x, n_in,
-                                      job.n_tok, job.y + it.r0, n_out);
-        } else {
-            gemm_rows(k, type, w, row_bytes, n_in, n_out, it.r0, it.r1, job.x, job.n_tok, job.y);
+    const auto n_items = int64_t(items.size()), n_pack = int64_t(pack.size());
+#pragma omp parallel num_threads(nth) if (nth > 1 && n_items > 1)
+    {
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < n_pack; ++p) {
+            const PackItem &pk = pack[size_t(p)];
+            const MatmulJob &job = jobs[pk.job];
+            pack_transposed(job.x, n_in, job.n_tok, k.gemm_tokens, pk.k0, pk.k1, xt + xt_offset[size_t(pk.job)]);
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < n_items; ++i) {
+            const WorkItem &it = items[size_t(i)];
+            const MatmulJob &job = jobs[it.job];
+            const auto *w = static_cast<const uint8_t *>(job.w);
+            if (job.n_tok < min_gemm_tok) {
+                k.gemv[dtype_index(type)](w + size_t(it.r0) * row_bytes, row_bytes, it.r1 - it.r0, n_in, job.x,
+                                          n_in, job.n_tok, job.y + it.r0, n_out);
+            } else {
+                gemm_rows(k, type, w, row_bytes, n_in, n_out, it.r0, it.r1, job.x, xt + xt_offset[size_t(it.job)],
+                          job.n_tok, job.y);
+            }
         }
     }
 }
