@@ -30,5 +30,6 @@ uint64_t hash_floats(const float *x, size_t n);
 void register_generate(CLI::App &app);
 void register_perplexity(CLI::App &app);
 void register_inspect(CLI::App &app);
+void register_bench(CLI::App &app);
 
 } // namespace prescope::cli

@@ -1,4 +1,4 @@
-// prescope: command line entry point. Subcommands: generate, perplexity, inspect.
+// prescope: command line entry point. Subcommands: generate, perplexity, inspect, bench.
 // Bad input ends with one "error: ..." line on stderr and exit code 1.
 #include "cli.h"
 
@@ -13,6 +13,7 @@ int main(int argc, char **argv) {
     prescope::cli::register_generate(app);
     prescope::cli::register_perplexity(app);
     prescope::cli::register_inspect(app);
+    prescope::cli::register_bench(app);
     try {
         app.parse(argc, argv);
     } catch (const CLI::ParseError &e) {

@@ -1,0 +1,121 @@
+// prescope bench: prefill (pp N) and decode (tg N) throughput with repetitions, as llama-bench
+// measures them (tools/llama-bench: pp = one batch of N random tokens into an empty cache; tg = N
+// single-token steps from an empty cache), printed as a table and JSON lines.
+#include "cli.h"
+
+#include "arch/arch.h"
+#include "backend/cpu/ops.h"
+#include "core/error.h"
+#include "runtime/context.h"
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <random>
+
+namespace prescope::cli {
+
+namespace {
+
+struct BenchArgs {
+    CommonArgs common;
+    int64_t n_prompt = 512;  // -p
+    int64_t n_gen = 128;     // -n
+    int reps = 5;            // -r
+    std::string output = "md";
+};
+
+struct Stat {
+    double mean = 0, stdev = 0;
+};
+
+Stat stats(const std::vector<double> &v) {
+    Stat s;
+    for (double x : v) s.mean += x;
+    s.mean /= double(v.size());
+    for (double x : v) s.stdev += (x - s.mean) * (x - s.mean);
+    s.stdev = v.size() > 1 ? std::sqrt(s.stdev / double(v.size() - 1)) : 0.0;
+    return s;
+}
+
+void run_bench(const BenchArgs &a) {
+    apply_common(a.common);
+    const auto model = Model::load(a.common.model);
+    const HParams &hp = model->hp();
+    Context ctx(*model, {std::max<int64_t>(a.n_prompt, a.n_gen) + 1, a.common.n_batch});
+    std::mt19937 rng(1234);
+    std::uniform_int_distribution<int32_t> tok(0, int32_t(hp.n_vocab - 1));
+    using Clock = std::chrono::steady_clock;
+
+    auto time_prefill = [&]() {
+        std::vector<int32_t> ids(size_t(a.n_prompt));
+        for (auto &t : ids) t = tok(rng);
+        ctx.clear();
+        const auto t0 = Clock::now();
+        ctx.eval(ids);
+        return double(a.n_prompt) / std::chrono::duration<double>(Clock::now() - t0).count();
+    };
+    auto time_decode = [&]() {
+        ctx.clear();
+        int32_t next = tok(rng);
+        const auto t0 = Clock::now();
+        for (int64_t i = 0; i < a.n_gen; ++i) {
+            ctx.eval({&next, 1});
+            next = tok(rng);
+        }
+        return double(a.n_gen) / std::chrono::duration<double>(Clock::now() - t0).count();
+    };
+
+    struct Row {
+        std::string test;
+        std::vector<double> samples;
+    };
+    std::vector<Row> rows;
+    if (a.n_prompt > 0) {
+        time_prefill();  // warm-up: page in the weights, start the threads
+        Row r{fmt::format("pp{}", a.n_prompt), {}};
+        for (int i = 0; i < a.reps; ++i) r.samples.push_back(time_prefill());
+        rows.push_back(r);
+    }
+    if (a.n_gen > 0) {
+        time_decode();
+        Row r{fmt::format("tg{}", a.n_gen), {}};
+        for (int i = 0; i < a.reps; ++i) r.samples.push_back(time_decode());
+        rows.push_back(r);
+    }
+    const double size_gib = double(model->file().file_size()) / double(1ull << 30);
+    if (a.output == "json") {
+        for (const auto &r : rows) {
+            const Stat s = stats(r.samples);
+            nlohmann::json j = {{"model", a.common.model}, {"arch", hp.arch}, {"size_gib", size_gib},
+                                {"threads", cpu::get_threads()}, {"test", r.test}, {"avg_ts", s.mean},
+                                {"stddev_ts", s.stdev}, {"samples_ts", r.samples}, {"backend", "cpu"}};
+            fmt::print("{}\n", j.dump());
+        }
+        return;
+    }
+    fmt::print("| model | size | backend | threads | test | t/s |\n| --- | ---: | --- | ---: | ---: | ---: |\n");
+    for (const auto &r : rows) {
+        const Stat s = stats(r.samples);
+        fmt::print("| {} {} | {:.2f} GiB | cpu | {} | {} | {:.2f} ± {:.2f} |\n", hp.arch, hp.n_layer, size_gib,
+                   cpu::get_threads(), r.test, s.mean, s.stdev);
+    }
+}
+
+} // namespace
+
+void register_bench(CLI::App &app) {
+    auto a = std::make_shared<BenchArgs>();
+    auto *cmd = app.add_subcommand("bench", "prefill and decode tokens/s (llama-bench's pp/tg tests)");
+    add_common_flags(*cmd, a->common);
+    cmd->add_option("-p,--n-prompt", a->n_prompt, "prompt tokens of the prefill test (0: skip)")->capture_default_str();
+    cmd->add_option("-n,--n-gen", a->n_gen, "tokens of the decode test (0: skip)")->capture_default_str();
+    cmd->add_option("-r,--repetitions", a->reps, "repetitions of each test")->capture_default_str()->check(CLI::PositiveNumber);
+    cmd->add_option("-o,--output", a->output, "output format")->check(CLI::IsMember({"md", "json"}))->capture_default_str();
+    cmd->callback([a]() { run_bench(*a); });
+}
+
+} // namespace prescope::cli
