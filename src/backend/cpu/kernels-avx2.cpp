@@ -50,6 +50,9 @@ struct VecAvx2 {
         return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(p))));
     }
     static float f16(uint16_t h) { return _cvtsh_ss(h); }
+    static void q8_scales(const prescope::BlockQ8_0 *blk, int64_t nb, float *out) {
+        for (int64_t b = 0; b < nb; ++b) out[b] = f16(blk[b].d);
+    }
 };
 
 } // namespace

@@ -51,6 +51,19 @@ struct VecAvx512 {
         return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p))));
     }
     static float f16(uint16_t h) { return _cvtsh_ss(h); }
+    /// Scales of nb consecutive blocks: 16 at a time by a gather of the dwords at 34-byte strides
+    /// (each starts with the block's F16 scale), narrowed to 16 bits and converted.
+    static void q8_scales(const prescope::BlockQ8_0 *blk, int64_t nb, float *out) {
+        const __m512i offsets = _mm512_setr_epi32(0, 34, 68, 102, 136, 170, 204, 238, 272, 306, 340, 374, 408, 442,
+                                                  476, 510);
+        static_assert(sizeof(prescope::BlockQ8_0) == 34);
+        int64_t b = 0;
+        for (; b + 16 <= nb; b += 16) {
+            const __m512i g = _mm512_i32gather_epi32(offsets, static_cast<const void *>(blk + b), 1);
+            _mm512_storeu_ps(out + b, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g)));
+        }
+        for (; b < nb; ++b) out[b] = f16(blk[b].d);
+    }
 };
 
 } // namespace

@@ -4,6 +4,7 @@
 //
 // S provides: type V of N F32 lanes; zero, set1, load, store, add, mul, fmadd, reduce (horizontal
 // sum); load_f16 / load_bf16 / load_q8 (N elements converted to F32); f16 (one scalar half);
+// q8_scales (the F16 scales of consecutive Q8_0 blocks as F32);
 // max_tokens (tokens computed together per weight row by the GEMV); gemm_vecs (vectors of N tokens
 // per GEMM register block), gemm_rows[v - 1] (weight rows of a block of v vectors) and gemm_row_pad
 // (a multiple of every gemm_rows), all bounded by the register file.
@@ -82,35 +83,52 @@ void dot_row(const uint8_t *w, int64_t n, const float *x, int64_t ldx, float *ou
 }
 
 /// out[t] = dot(Q8_0 row w, x + t * ldx) for t < T; n % 32 == 0. Each 32-block is converted to F32
-/// and scaled once, then used for all T tokens (activations are never quantized).
+/// and scaled once, then used for all T tokens (activations are never quantized). The blocks' F16
+/// scales are converted ahead, a chunk at a time, so the inner loop only broadcasts them from L1.
 template <class S, int T>
 void dot_row_q8_0(const uint8_t *w, int64_t n, const float *x, int64_t ldx, float *out) {
     using V = typename S::V;
     constexpr int N = S::N, VB = QK8_0 / N, U = accumulators_per_token<T>();
-    constexpr int B = U > VB ? U / VB : 1;  // blocks per iteration, so that U chains are all used
-    static_assert(QK8_0 % N == 0 && (VB * B) % U == 0);
+    // Blocks per iteration, so that all U chains are used (one token: one chain per block).
+    constexpr int B = T == 1 ? U : U > VB ? U / VB : 1;
+    constexpr int64_t kChunk = 64;          // blocks whose scales are converted together
+    static_assert(QK8_0 % N == 0 && (T == 1 || (VB * B) % U == 0));
     const auto *blk = reinterpret_cast<const BlockQ8_0 *>(w);
     const int64_t nb = n / QK8_0;
+    alignas(64) float scale[kChunk];
     V acc[T][U];
     for (int t = 0; t < T; ++t)
         for (int u = 0; u < U; ++u) acc[t][u] = S::zero();
-    auto step = [&](int64_t b, int k0) __attribute__((always_inline)) {
-        const V d = S::set1(S::f16(blk[b].d));
-        const float *xb = x + b * QK8_0;
+    for (int64_t c0 = 0; c0 < nb; c0 += kChunk) {
+        const int64_t nc = std::min(kChunk, nb - c0);
+        S::q8_scales(blk + c0, nc, scale);
+        auto step = [&](int64_t b, int k0) __attribute__((always_inline)) {
+            const V d = S::set1(scale[b]);
+            const int8_t *qs = blk[c0 + b].qs;
+            const float *xb = x + (c0 + b) * QK8_0;
+            if constexpr (T == 1) {
+                // One token: sum the block unscaled, then one FMA with the scale (one multiply fewer).
+                V h = S::mul(S::load_q8(qs), S::load(xb));
 #pragma GCC unroll 4
-        for (int j = 0; j < VB; ++j) {
-            const V wv = S::mul(S::load_q8(blk[b].qs + j * N), d);
-            const int k = (k0 + j) % U;
+                for (int j = 1; j < VB; ++j) h = S::fmadd(S::load_q8(qs + j * N), S::load(xb + j * N), h);
+                acc[0][k0 / VB % U] = S::fmadd(d, h, acc[0][k0 / VB % U]);
+            } else {
+#pragma GCC unroll 4
+                for (int j = 0; j < VB; ++j) {
+                    const V wv = S::mul(S::load_q8(qs + j * N), d);
+                    const int k = (k0 + j) % U;
 #pragma GCC unroll 8
-            for (int t = 0; t < T; ++t) acc[t][k] = S::fmadd(wv, S::load(xb + t * ldx + j * N), acc[t][k]);
-        }
-    };
-    int64_t b = 0;
-    for (; b + B <= nb; b += B) {
+                    for (int t = 0; t < T; ++t) acc[t][k] = S::fmadd(wv, S::load(xb + t * ldx + j * N), acc[t][k]);
+                }
+            }
+        };
+        int64_t b = 0;
+        for (; b + B <= nc; b += B) {
 #pragma GCC unroll 4
-        for (int bb = 0; bb < B; ++bb) step(b + bb, bb * VB);
+            for (int bb = 0; bb < B; ++bb) step(b + bb, bb * VB);
+        }
+        for (; b < nc; ++b) step(b, 0);
     }
-    for (; b < nb; ++b) step(b, 0);
     for (int t = 0; t < T; ++t) {
         V s = acc[t][0];
         for (int u = 1; u < U; ++u) s = S::add(s, acc[t][u]);

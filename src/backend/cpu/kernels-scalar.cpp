@@ -63,6 +63,9 @@ struct VecScalar {
         return r;
     }
     static float f16(uint16_t h) { return prescope::fp16_to_fp32(h); }
+    static void q8_scales(const prescope::BlockQ8_0 *blk, int64_t nb, float *out) {
+        for (int64_t b = 0; b < nb; ++b) out[b] = f16(blk[b].d);
+    }
 };
 
 } // namespace
