@@ -1,0 +1,163 @@
+# Writes a random-weight qwen3moe GGUF with Qwen3-30B-A3B's shapes for throughput benchmarks
+# (never committed; routing comes from replayed traces, not from these weights).
+"""Benchmark model with Qwen3-30B-A3B shapes and random weights.
+
+    python3 tools/py/make_bench_model.py --out /tmp/q30b-q8_0.gguf [--layers 48] [--type q8_0|bf16]
+
+Shapes (HF Qwen/Qwen3-30B-A3B config.json): 48 layers, hidden 2048, 32 query / 4 KV heads of 128,
+128 experts, top-8, expert FFN 768, vocab 151936, rope theta 1e6. Weights are random with standard
+deviation ~0.02; the tensor data is streamed one tensor at a time (the full file is ~32.5 GB in Q8_0),
+and a random pool of 64 MiB is reused across tensors so that writing is disk-bound. The vocabulary
+is the GPT-2 byte alphabet plus filler tokens, enough for llama.cpp and PreScope to load the file.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+import gguf
+
+N_EMBD, N_HEAD, N_HEAD_KV, HEAD_DIM = 2048, 32, 4, 128
+N_EXPERT, N_EXPERT_USED, N_FF_EXP, N_VOCAB, N_CTX = 128, 8, 768, 151936, 40960
+STD = 0.02
+
+
+def byte_alphabet() -> list[str]:
+    """GPT-2 bytes_to_unicode(): the 256 byte-level characters, in byte order."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    table = dict(zip(bs, cs))
+    return [chr(table[b]) for b in range(256)]
+
+
+class Pool:
+    """Random bytes reused across tensors: fresh values within a tensor, cheap to produce."""
+
+    def __init__(self, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        self.q8 = rng.integers(-127, 128, size=64 << 20, dtype=np.int8)
+        self.bf16 = (rng.standard_normal(32 << 20, dtype=np.float32) * STD).view(np.uint32) >> 16
+        self.bf16 = self.bf16.astype(np.uint16)
+        self.pos = 0
+
+    def take(self, arr: np.ndarray, n: int) -> np.ndarray:
+        out = np.empty(n, dtype=arr.dtype)
+        done = 0
+        while done < n:
+            start = self.pos % len(arr)
+            k = min(n - done, len(arr) - start)
+            out[done:done + k] = arr[start:start + k]
+            done += k
+            self.pos += k + 4099  # a prime stride so consecutive tensors differ
+        return out
+
+
+def q8_0_tensor(pool: Pool, shape: list[int]) -> np.ndarray:
+    """Q8_0 bytes for a tensor of ggml shape `shape` (ne[0] fastest), blocks of F16 scale + 32 int8."""
+    n = int(np.prod(shape))
+    n_blocks = n // 32
+    qs = pool.take(pool.q8, n).reshape(n_blocks, 32)
+    scale = np.full((n_blocks, 1), STD / 73.0, dtype=np.float16).view(np.uint8).reshape(n_blocks, 2)
+    blocks = np.concatenate([scale, qs.view(np.uint8)], axis=1)
+    return blocks.reshape(*reversed(shape[1:]), shape[0] // 32 * 34)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--type", choices=["q8_0", "bf16"], default="q8_0")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+
+    qtype = gguf.GGMLQuantizationType.Q8_0 if args.type == "q8_0" else gguf.GGMLQuantizationType.BF16
+    w = gguf.GGUFWriter(str(args.out), "qwen3moe")
+    w.add_name(f"qwen3-30b-a3b-shape-random-{args.layers}l")
+    w.add_context_length(N_CTX)
+    w.add_embedding_length(N_EMBD)
+    w.add_block_count(args.layers)
+    w.add_feed_forward_length(6144)
+    w.add_expert_feed_forward_length(N_FF_EXP)
+    w.add_head_count(N_HEAD)
+    w.add_head_count_kv(N_HEAD_KV)
+    w.add_key_length(HEAD_DIM)
+    w.add_value_length(HEAD_DIM)
+    w.add_rope_freq_base(1e6)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_expert_count(N_EXPERT)
+    w.add_expert_used_count(N_EXPERT_USED)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if args.type == "q8_0" else gguf.LlamaFileType.MOSTLY_BF16)
+    # One merge (two spaces) because llama.cpp requires a non-empty merges list for gpt2 vocabularies.
+    tokens = byte_alphabet() + ["\u0120\u0120"] + [f"<filler{i}>" for i in range(N_VOCAB - 256 - 2)] + ["<|endoftext|>"]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types([gguf.TokenType.NORMAL] * (N_VOCAB - 1) + [gguf.TokenType.CONTROL])
+    w.add_token_merges(["\u0120 \u0120"])
+    w.add_eos_token_id(N_VOCAB - 1)
+    w.add_bos_token_id(N_VOCAB - 1)
+    w.add_add_bos_token(False)
+
+    # (name, ggml shape, quantised?) in file order.
+    plan: list[tuple[str, list[int], bool]] = [("token_embd.weight", [N_EMBD, N_VOCAB], True),
+                                               ("output_norm.weight", [N_EMBD], False),
+                                               ("output.weight", [N_EMBD, N_VOCAB], True)]
+    q, kv = N_HEAD * HEAD_DIM, N_HEAD_KV * HEAD_DIM
+    for i in range(args.layers):
+        p = f"blk.{i}."
+        plan += [(p + "attn_norm.weight", [N_EMBD], False), (p + "attn_q.weight", [N_EMBD, q], True),
+                 (p + "attn_k.weight", [N_EMBD, kv], True), (p + "attn_v.weight", [N_EMBD, kv], True),
+                 (p + "attn_output.weight", [q, N_EMBD], True), (p + "attn_q_norm.weight", [HEAD_DIM], False),
+                 (p + "attn_k_norm.weight", [HEAD_DIM], False), (p + "ffn_norm.weight", [N_EMBD], False),
+                 (p + "ffn_gate_inp.weight", [N_EMBD, N_EXPERT], False),
+                 (p + "ffn_gate_exps.weight", [N_EMBD, N_FF_EXP, N_EXPERT], True),
+                 (p + "ffn_up_exps.weight", [N_EMBD, N_FF_EXP, N_EXPERT], True),
+                 (p + "ffn_down_exps.weight", [N_FF_EXP, N_EMBD, N_EXPERT], True)]
+
+    def nbytes(shape: list[int], quant: bool) -> int:
+        n = int(np.prod(shape))
+        if not quant:
+            return 4 * n
+        return n // 32 * 34 if qtype == gguf.GGMLQuantizationType.Q8_0 else 2 * n
+
+    for name, shape, quant in plan:
+        raw = qtype if quant else gguf.GGMLQuantizationType.F32
+        dtype = np.uint8 if raw == gguf.GGMLQuantizationType.Q8_0 else (np.uint16 if quant else np.float32)
+        rshape = list(reversed(shape))
+        if raw == gguf.GGMLQuantizationType.Q8_0:
+            rshape[-1] = rshape[-1] // 32 * 34  # gguf-py takes the byte shape of quantised tensors
+        w.add_tensor_info(name, rshape, np.dtype(dtype), nbytes(shape, quant), raw_dtype=raw)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+
+    pool = Pool(args.seed)
+    rng = np.random.default_rng(args.seed + 1)
+    for i, (name, shape, quant) in enumerate(plan):
+        if not quant:
+            n = int(np.prod(shape))
+            data = (np.ones(n, np.float32) if name.endswith("norm.weight")
+                    else rng.standard_normal(n, dtype=np.float32) * STD).reshape(list(reversed(shape)))
+        elif qtype == gguf.GGMLQuantizationType.Q8_0:
+            data = q8_0_tensor(pool, shape)
+        else:
+            data = pool.take(pool.bf16, int(np.prod(shape))).reshape(list(reversed(shape)))
+        w.write_tensor_data(data)
+        if i % 12 == 0:
+            print(f"{i + 1}/{len(plan)} {name}", file=sys.stderr, flush=True)
+    w.close()
+    print(f"wrote {args.out} ({args.out.stat().st_size / 2**30:.2f} GiB)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
