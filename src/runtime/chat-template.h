@@ -1,0 +1,37 @@
+// Chat templates chosen from a GGUF's tokenizer.chat_template: ChatML (Qwen) and Mistral [INST] (Mixtral),
+// re-implemented in C++ (no Jinja at runtime) and checked against HF's renderer (docs/tokenizer.md).
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace prescope {
+
+class GgufFile;
+
+/// One turn of a conversation. role: "system", "user" or "assistant"; content: UTF-8 text.
+struct ChatMessage {
+    std::string role;
+    std::string content;
+};
+
+/// The template family PreScope recognised in the file, for logs: "qwen3" (ChatML with Qwen3's <think>
+/// handling), "chatml" (ChatML, with the template's default system prompt if it has one: Qwen2, Qwen2.5),
+/// "mistral-v0" (Mixtral-8x7B-Instruct's original [INST] template, no system role) or "mistral-v1" (its
+/// updated template, system message folded into the first user turn).
+/// Recognised by markers in tokenizer.chat_template (<|im_start|>, <think>, [INST], ' [INST] '); without a
+/// template, qwen* architectures whose vocabulary has <|im_start|> get "chatml" and llama-architecture
+/// SentencePiece models "mistral-v1" (decision 0022). Throws prescope::Error naming the file and
+/// 'tokenizer.chat_template' when no family fits.
+std::string chat_template_name(const GgufFile &file);
+
+/// The prompt text the model's chat template renders for `messages` (HF apply_chat_template with
+/// add_generation_prompt), except for the BOS text Mistral templates start with: tokenize the result with
+/// Tokenizer::encode(text, /*add_special=*/true, /*parse_special=*/true), which adds BOS as a token when
+/// the model wants it. Throws prescope::Error (naming the file) when no template fits, `messages` is empty,
+/// a role is not system/user/assistant, or the template itself would refuse the conversation (Mistral:
+/// roles must alternate user/assistant after an optional leading system message; v0 has no system role).
+std::string apply_chat_template(const GgufFile &file, const std::vector<ChatMessage> &messages,
+                                bool add_generation_prompt);
+
+} // namespace prescope
