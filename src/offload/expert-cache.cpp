@@ -1,0 +1,353 @@
+// ExpertCache: slot pool sizing, lookups, demand and prefetch grants, pins, counters.
+#include "offload/expert-cache.h"
+
+#include "core/error.h"
+#include "offload/byte-size.h"
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+
+namespace prescope {
+
+CacheLayerStats &CacheLayerStats::operator+=(const CacheLayerStats &o) {
+    hits += o.hits;
+    demand_misses += o.demand_misses;
+    cpu_runs += o.cpu_runs;
+    prefetch_hits += o.prefetch_hits;
+    prefetch_loads += o.prefetch_loads;
+    wasted_prefetch_bytes += o.wasted_prefetch_bytes;
+    bytes_loaded += o.bytes_loaded;
+    evictions += o.evictions;
+    stall_us += o.stall_us;
+    return *this;
+}
+
+namespace {
+
+void validate(const ExpertCacheConfig &c) {
+    if (c.n_layers <= 0 || c.n_experts <= 0) {
+        fail("expert cache: need n_layers > 0 and n_experts > 0, got {} and {}", c.n_layers, c.n_experts);
+    }
+    if (c.top_k <= 0 || c.top_k > c.n_experts) {
+        fail("expert cache: top_k must be in [1, {}] (n_experts), got {}", c.n_experts, c.top_k);
+    }
+    size_t want = size_t(c.n_layers) * size_t(c.n_experts);
+    if (c.expert_bytes.size() != 1 && c.expert_bytes.size() != want) {
+        fail("expert cache: expert_bytes has {} entries, expected 1 or {} (n_layers x n_experts)",
+             c.expert_bytes.size(), want);
+    }
+    for (uint64_t b : c.expert_bytes) {
+        if (b == 0) fail("expert cache: an expert of 0 bytes");
+    }
+    if (c.slot_alignment == 0) fail("expert cache: slot alignment must be > 0");
+}
+
+} // namespace
+
+uint64_t ExpertCache::slot_bytes_for(const ExpertCacheConfig &config) {
+    validate(config);
+    uint64_t largest = *std::max_element(config.expert_bytes.begin(), config.expert_bytes.end());
+    return (largest + config.slot_alignment - 1) / config.slot_alignment * config.slot_alignment;
+}
+
+uint64_t ExpertCache::min_budget_bytes(const ExpertCacheConfig &config) {
+    return slot_bytes_for(config) * uint64_t(config.n_layers) * uint64_t(config.top_k);
+}
+
+ExpertCache::ExpertCache(const ExpertCacheConfig &config, Backend *backend)
+    : config_(config), backend_(backend) {
+    slot_bytes_ = slot_bytes_for(config_);
+    const int32_t L = config_.n_layers, E = config_.n_experts;
+    layout_.n_layers = L;
+    layout_.n_experts = E;
+    layout_.n_slots.assign(size_t(L), 0);
+
+    if (!config_.slots_per_layer.empty()) {
+        if (config_.slots_per_layer.size() != size_t(L)) {
+            fail("expert cache: slots_per_layer has {} entries, expected {} (n_layers)",
+                 config_.slots_per_layer.size(), L);
+        }
+        uint64_t total = 0;
+        for (int32_t l = 0; l < L; ++l) {
+            int32_t n = config_.slots_per_layer[size_t(l)];
+            if (n < config_.top_k || n > E) {
+                fail("expert cache: layer {} is given {} slots, expected {} (top_k) to {} (n_experts)", l, n,
+                     config_.top_k, E);
+            }
+            layout_.n_slots[size_t(l)] = n;
+            total += uint64_t(n);
+        }
+        if (total * slot_bytes_ > config_.budget_bytes) {
+            fail("expert cache: slots_per_layer asks for {} slots = {}, more than the budget of {}", total,
+                 format_byte_size(total * slot_bytes_), format_byte_size(config_.budget_bytes));
+        }
+    } else if (config_.budget_bytes > 0) {
+        uint64_t min_budget = min_budget_bytes(config_);
+        if (config_.budget_bytes < min_budget) {
+            fail("GPU expert budget (--gpu-expert-budget / gpu_cache) of {} is too small: {} layers x top-{} "
+                 "experts x {} per slot need at least {} ({} bytes); use 0 to run every expert on the CPU",
+                 format_byte_size(config_.budget_bytes), L, config_.top_k, format_byte_size(slot_bytes_),
+                 format_byte_size(min_budget), min_budget);
+        }
+        // Even split; the remainder goes one slot each to the first layers (docs/decisions/0031).
+        uint64_t total = config_.budget_bytes / slot_bytes_;
+        int32_t base = int32_t(std::min<uint64_t>(uint64_t(E), total / uint64_t(L)));
+        uint64_t rest = total - uint64_t(base) * uint64_t(L);
+        for (int32_t l = 0; l < L; ++l) {
+            int32_t extra = (rest > 0 && base < E) ? 1 : 0;
+            rest -= uint64_t(extra);
+            layout_.n_slots[size_t(l)] = base + extra;
+        }
+    }
+    layout_.first_slot.assign(size_t(L), 0);
+    for (int32_t l = 1; l < L; ++l) {
+        layout_.first_slot[size_t(l)] = layout_.first_slot[size_t(l - 1)] + layout_.n_slots[size_t(l - 1)];
+    }
+
+    const int32_t n = layout_.total_slots();
+    slots_.resize(size_t(n));
+    evictable_.assign(size_t(n), 0);
+    prefetch_mask_.assign(size_t(n), 0);
+    map_.assign(size_t(L) * size_t(E), -1);
+    free_.resize(size_t(L));
+    pinned_.resize(size_t(L));
+    stats_.resize(size_t(L));
+    fixed_count_.assign(size_t(L), 0);
+    for (int32_t l = 0; l < L; ++l) {
+        int32_t first = layout_.first_slot[size_t(l)], count = layout_.n_slots[size_t(l)];
+        pinned_[size_t(l)].reserve(size_t(count));
+        free_[size_t(l)].reserve(size_t(count));
+        // Pushed in reverse so that slots are handed out in increasing order.
+        for (int32_t s = first + count - 1; s >= first; --s) {
+            slots_[size_t(s)].layer = l;
+            free_[size_t(l)].push_back(s);
+        }
+    }
+    policy_ = make_eviction_policy(config_.policy, layout_);
+    if (backend_ && n > 0) {
+        pool_ = static_cast<uint8_t *>(backend_->alloc(MemoryKind::DEVICE, size_t(n) * size_t(slot_bytes_)));
+    }
+    spdlog::debug("{}", describe());
+}
+
+ExpertCache::~ExpertCache() {
+    if (backend_ && pool_) backend_->free(MemoryKind::DEVICE, pool_);
+}
+
+uint64_t ExpertCache::expert_bytes(int32_t layer, int32_t expert) const {
+    return config_.expert_bytes.size() == 1 ? config_.expert_bytes[0] : config_.expert_bytes[key(layer, expert)];
+}
+
+void *ExpertCache::slot_data(int32_t slot) const {
+    return pool_ ? pool_ + size_t(slot) * size_t(slot_bytes_) : nullptr;
+}
+
+int32_t ExpertCache::find(int32_t layer, int32_t expert) const {
+    PRESCOPE_ASSERT(layer >= 0 && layer < layout_.n_layers && expert >= 0 && expert < layout_.n_experts);
+    return map_[key(layer, expert)];
+}
+
+void ExpertCache::update_evictable(int32_t slot) {
+    const Slot &s = slots_[size_t(slot)];
+    evictable_[size_t(slot)] = s.expert >= 0 && s.pins == 0 && !s.fixed;
+}
+
+void ExpertCache::pin(int32_t slot) {
+    Slot &s = slots_[size_t(slot)];
+    if (s.pins++ == 0) pinned_[size_t(s.layer)].push_back(slot);
+    update_evictable(slot);
+}
+
+int32_t ExpertCache::take_slot(int32_t layer, int32_t incoming, std::span<const uint8_t> mask, SlotGrant *grant) {
+    std::vector<int32_t> &free = free_[size_t(layer)];
+    if (!free.empty()) {
+        int32_t slot = free.back();
+        free.pop_back();
+        return slot;
+    }
+    int32_t slot = policy_->choose_victim(layer, incoming, mask);
+    if (slot < 0) return -1;
+    Slot &s = slots_[size_t(slot)];
+    PRESCOPE_ASSERT(s.layer == layer && s.expert >= 0 && s.pins == 0 && !s.fixed);
+    CacheLayerStats &st = stats_[size_t(layer)];
+    ++st.evictions;
+    if (s.prefetched) st.wasted_prefetch_bytes += s.bytes;
+    grant->evicted_expert = s.expert;
+    grant->evicted_ticket = s.ticket;
+    policy_->on_evict(layer, s.expert, slot);
+    map_[key(layer, s.expert)] = -1;
+    s.expert = -1;
+    s.ticket = {};
+    update_evictable(slot);
+    return slot;
+}
+
+void ExpertCache::install(int32_t slot, int32_t layer, int32_t expert, bool prefetch) {
+    Slot &s = slots_[size_t(slot)];
+    s.expert = expert;
+    s.prefetched = prefetch;
+    s.round = prefetch_round_;
+    s.bytes = expert_bytes(layer, expert);
+    s.ticket = {};
+    map_[key(layer, expert)] = slot;
+    policy_->on_insert(layer, expert, slot, prefetch);
+    update_evictable(slot);
+}
+
+SlotGrant ExpertCache::acquire(int32_t layer, int32_t expert) {
+    SlotGrant g;
+    CacheLayerStats &st = stats_[size_t(layer)];
+    int32_t slot = find(layer, expert);
+    if (slot >= 0) {
+        Slot &s = slots_[size_t(slot)];
+        ++st.hits;
+        if (s.prefetched) {
+            ++st.prefetch_hits;
+            s.prefetched = false;
+        }
+        policy_->on_hit(layer, expert, slot);
+        pin(slot);
+        g.slot = slot;
+        g.hit = true;
+        return g;
+    }
+    ++st.demand_misses;
+    policy_->on_miss(layer, expert);
+    slot = take_slot(layer, expert, evictable_, &g);
+    if (slot < 0) {
+        fail("expert cache: layer {} has {} GPU slots and the running layer holds all of them; cannot load "
+             "expert {} (more unique GPU experts than slots: run some on the CPU or raise "
+             "--gpu-expert-budget)",
+             layer, layout_.n_slots[size_t(layer)], expert);
+    }
+    install(slot, layer, expert, false);
+    st.bytes_loaded += slots_[size_t(slot)].bytes;
+    pin(slot);
+    g.slot = slot;
+    g.load = true;
+    return g;
+}
+
+SlotGrant ExpertCache::prefetch(int32_t layer, int32_t expert) {
+    SlotGrant g;
+    int32_t slot = find(layer, expert);
+    if (slot >= 0) {
+        g.slot = slot;
+        g.hit = true;
+        return g;
+    }
+    int32_t first = layout_.first_slot[size_t(layer)], end = first + layout_.n_slots[size_t(layer)];
+    for (int32_t s = first; s < end; ++s) {
+        const Slot &x = slots_[size_t(s)];
+        prefetch_mask_[size_t(s)] = evictable_[size_t(s)] && !(x.prefetched && x.round == prefetch_round_);
+    }
+    slot = take_slot(layer, expert, prefetch_mask_, &g);
+    if (slot < 0) return g;
+    install(slot, layer, expert, true);
+    ++stats_[size_t(layer)].prefetch_loads;
+    stats_[size_t(layer)].bytes_loaded += slots_[size_t(slot)].bytes;
+    g.slot = slot;
+    g.load = true;
+    return g;
+}
+
+SlotGrant ExpertCache::fix(int32_t layer, int32_t expert) {
+    SlotGrant g;
+    int32_t slot = find(layer, expert);
+    if (slot < 0) {
+        slot = take_slot(layer, expert, evictable_, &g);
+        if (slot < 0) {
+            fail("expert cache: cannot keep expert {} of layer {} on the GPU: all {} slots of the layer are "
+                 "fixed or in use",
+                 expert, layer, layout_.n_slots[size_t(layer)]);
+        }
+        install(slot, layer, expert, false);
+        g.load = true;
+    } else {
+        g.hit = true;
+    }
+    if (!slots_[size_t(slot)].fixed) ++fixed_count_[size_t(layer)];
+    slots_[size_t(slot)].fixed = true;
+    slots_[size_t(slot)].prefetched = false;
+    update_evictable(slot);
+    g.slot = slot;
+    return g;
+}
+
+void ExpertCache::release_layer(int32_t layer) {
+    for (int32_t slot : pinned_[size_t(layer)]) {
+        slots_[size_t(slot)].pins = 0;
+        update_evictable(slot);
+    }
+    pinned_[size_t(layer)].clear();
+}
+
+CacheLayerStats ExpertCache::total_stats() const {
+    CacheLayerStats t;
+    for (const CacheLayerStats &s : stats_) t += s;
+    return t;
+}
+
+void ExpertCache::reset_stats() { std::fill(stats_.begin(), stats_.end(), CacheLayerStats{}); }
+
+std::string ExpertCache::describe() const {
+    int32_t lo = layout_.n_layers ? *std::min_element(layout_.n_slots.begin(), layout_.n_slots.end()) : 0;
+    int32_t hi = layout_.n_layers ? *std::max_element(layout_.n_slots.begin(), layout_.n_slots.end()) : 0;
+    return fmt::format("expert cache: budget {}, {} slots of {} ({} to {} per layer, {} layers x {} experts), "
+                       "policy {}, pool {}",
+                       format_byte_size(config_.budget_bytes), n_slots(), format_byte_size(slot_bytes_), lo, hi,
+                       layout_.n_layers, layout_.n_experts, eviction_policy_name(config_.policy),
+                       format_byte_size(uint64_t(n_slots()) * slot_bytes_));
+}
+
+std::string ExpertCache::stats_table() const {
+    std::string out = fmt::format("{:>5} {:>5} {:>10} {:>10} {:>10} {:>10} {:>10} {:>12} {:>12} {:>10} {:>7}\n",
+                                  "layer", "slots", "hits", "d.misses", "cpu", "pf.hits", "pf.loads",
+                                  "wasted MiB", "loaded MiB", "stall ms", "hit %");
+    auto row = [&](const std::string &name, int32_t slots, const CacheLayerStats &s) {
+        out += fmt::format("{:>5} {:>5} {:>10} {:>10} {:>10} {:>10} {:>10} {:>12.1f} {:>12.1f} {:>10.2f} {:>7.1f}\n",
+                           name, slots, s.hits, s.demand_misses, s.cpu_runs, s.prefetch_hits, s.prefetch_loads,
+                           double(s.wasted_prefetch_bytes) / 0x1p20, double(s.bytes_loaded) / 0x1p20,
+                           s.stall_us * 1e-3, 100.0 * s.hit_rate());
+    };
+    for (int32_t l = 0; l < layout_.n_layers; ++l) {
+        row(std::to_string(l), layout_.n_slots[size_t(l)], stats_[size_t(l)]);
+    }
+    row("all", n_slots(), total_stats());
+    return out;
+}
+
+namespace {
+nlohmann::json to_json(const CacheLayerStats &s) {
+    return {{"hits", s.hits},
+            {"demand_misses", s.demand_misses},
+            {"cpu_runs", s.cpu_runs},
+            {"prefetch_hits", s.prefetch_hits},
+            {"prefetch_loads", s.prefetch_loads},
+            {"wasted_prefetch_bytes", s.wasted_prefetch_bytes},
+            {"bytes_loaded", s.bytes_loaded},
+            {"evictions", s.evictions},
+            {"stall_us", s.stall_us},
+            {"hit_rate", s.hit_rate()}};
+}
+} // namespace
+
+nlohmann::json ExpertCache::stats_json() const {
+    nlohmann::json layers = nlohmann::json::array();
+    for (int32_t l = 0; l < layout_.n_layers; ++l) {
+        nlohmann::json j = to_json(stats_[size_t(l)]);
+        j["layer"] = l;
+        j["slots"] = layout_.n_slots[size_t(l)];
+        layers.push_back(std::move(j));
+    }
+    return {{"policy", eviction_policy_name(config_.policy)},
+            {"slot_bytes", slot_bytes_},
+            {"budget_bytes", config_.budget_bytes},
+            {"layers", std::move(layers)},
+            {"total", to_json(total_stats())}};
+}
+
+} // namespace prescope

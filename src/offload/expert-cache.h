@@ -1,0 +1,174 @@
+// The hot-expert table: a fixed pool of GPU slots allocated once from a byte budget, (layer, expert) ->
+// slot, one eviction group per layer, pins for the running layer, and per-layer counters (docs/style R5).
+#pragma once
+
+#include "backend/backend.h"
+#include "offload/copy-engine.h"
+#include "offload/eviction-policy.h"
+
+#include <nlohmann/json_fwd.hpp>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace prescope {
+
+struct ExpertCacheConfig {
+    int32_t n_layers = 0;                // MoE layers, numbered 0..n_layers-1 as the cache sees them
+    int32_t n_experts = 0;               // routed experts per layer
+    int32_t top_k = 0;                   // experts per token: the fewest slots a layer can run with
+    std::vector<uint64_t> expert_bytes;  // [n_layers * n_experts] bytes of each expert's contiguous range
+                                         // (docs/style R4), or [1]: the same for every expert
+    uint64_t budget_bytes = 0;           // GPU bytes for expert slots (--gpu-expert-budget, gpu_cache);
+                                         // 0 = no GPU cache (every routed expert runs on the CPU)
+    EvictionPolicyKind policy = EvictionPolicyKind::LRU;
+    std::vector<int32_t> slots_per_layer;  // optional [n_layers] split, each in [top_k, n_experts];
+                                           // empty: even split (docs/decisions/0031)
+    uint64_t slot_alignment = 256;         // slot size is rounded up to this many bytes
+};
+
+/// Counters of one layer. accesses() = hits + demand_misses + cpu_runs: every routed expert of every
+/// step is counted once, in one of the three.
+struct CacheLayerStats {
+    uint64_t hits = 0;                   // demand accesses that found the expert resident (or loading)
+    uint64_t demand_misses = 0;          // demand accesses that had to load the expert
+    uint64_t cpu_runs = 0;               // routed experts run on the CPU from host memory (record_cpu)
+    uint64_t prefetch_hits = 0;          // of hits: first uses of a prefetched expert
+    uint64_t prefetch_loads = 0;         // prefetches that took a slot and asked for a load
+    uint64_t wasted_prefetch_bytes = 0;  // bytes of prefetched experts evicted before any use
+    uint64_t bytes_loaded = 0;           // bytes asked to be loaded, demand and prefetch
+    uint64_t evictions = 0;
+    double stall_us = 0;                 // time the layer's compute waited for expert bytes (record_stall)
+
+    uint64_t accesses() const { return hits + demand_misses + cpu_runs; }
+    /// hits / accesses(), 0 with no accesses.
+    double hit_rate() const { return accesses() ? double(hits) / double(accesses()) : 0.0; }
+    CacheLayerStats &operator+=(const CacheLayerStats &o);
+};
+
+/// The outcome of acquire() or prefetch().
+struct SlotGrant {
+    int32_t slot = -1;            // -1: no slot (prefetch found no evictable slot)
+    bool hit = false;             // the expert was resident already (or being loaded)
+    bool load = false;            // the caller must copy the expert's bytes into the slot
+    int32_t evicted_expert = -1;  // expert that lost the slot, -1 if the slot was free
+    Ticket evicted_ticket;        // that expert's load; cancel it before queuing the new load, so that a
+                                  // late prefetch chunk cannot land on top of the new bytes
+};
+
+/// PRECONDITIONS for acquire/prefetch/release: one thread (the runtime's), layer in [0, n_layers),
+/// expert in [0, n_experts). Nothing after the constructor allocates.
+/// A slot's bytes may be overwritten only after the compute that last read them has finished: slots
+/// belong to one layer for life, so the runtime makes each load wait for that layer's last compute event.
+class ExpertCache {
+  public:
+    /// Sizes the slot pool from the budget and allocates it once from `backend` (DEVICE memory). Without a
+    /// backend only the bookkeeping runs (simulation, trace replay), and slot_data() returns nullptr.
+    /// Throws prescope::Error on a bad config or a budget in (0, min_budget_bytes()), naming the minimum.
+    explicit ExpertCache(const ExpertCacheConfig &config, Backend *backend = nullptr);
+    ~ExpertCache();
+    ExpertCache(const ExpertCache &) = delete;
+    ExpertCache &operator=(const ExpertCache &) = delete;
+
+    /// Bytes of one slot: the largest expert, rounded up to slot_alignment.
+    static uint64_t slot_bytes_for(const ExpertCacheConfig &config);
+    /// The smallest non-zero budget: n_layers x top_k slots.
+    static uint64_t min_budget_bytes(const ExpertCacheConfig &config);
+
+    int32_t n_layers() const { return layout_.n_layers; }
+    int32_t n_experts() const { return layout_.n_experts; }
+    int32_t n_slots() const { return layout_.total_slots(); }
+    int32_t layer_slots(int32_t layer) const { return layout_.n_slots[size_t(layer)]; }
+    uint64_t slot_bytes() const { return slot_bytes_; }
+    uint64_t expert_bytes(int32_t layer, int32_t expert) const;
+    EvictionPolicyKind policy() const { return config_.policy; }
+
+    /// The slot holding the expert (resident or being loaded), or -1. No counters, no policy update.
+    int32_t find(int32_t layer, int32_t expert) const;
+    /// Demand access by the running layer: counts a hit or a demand miss, updates the policy and pins the
+    /// slot until release_layer(layer). On a miss the slot is taken from a free slot or the policy's victim
+    /// and grant.load is set. Throws prescope::Error when every slot of the layer is pinned (more unique
+    /// experts than the layer has slots).
+    SlotGrant acquire(int32_t layer, int32_t expert);
+    /// Speculative load for a later step: if the expert is resident, returns {slot, hit}; otherwise takes a
+    /// free slot or a victim that is not pinned and not prefetched in this round (prefetches never evict
+    /// each other within a round), or returns slot -1. Does not pin; counts prefetch_loads.
+    SlotGrant prefetch(int32_t layer, int32_t expert);
+    /// Starts a prefetch round (one per step and predictor call).
+    void begin_prefetch_round() { ++prefetch_round_; }
+    /// Unpins every slot acquired for `layer`.
+    void release_layer(int32_t layer);
+    /// Keeps the expert resident for good (home tier GPU in the placement plan); no counters. Returns the
+    /// grant (load set when its bytes must be copied). Throws prescope::Error when the layer's slots are
+    /// all fixed or pinned.
+    SlotGrant fix(int32_t layer, int32_t expert);
+
+    /// The copy engine ticket of the slot's last load (invalid if none).
+    void set_ticket(int32_t slot, Ticket ticket) { slots_[size_t(slot)].ticket = ticket; }
+    Ticket ticket(int32_t slot) const { return slots_[size_t(slot)].ticket; }
+    /// Device address of the slot's slot_bytes() bytes (nullptr without a backend).
+    void *slot_data(int32_t slot) const;
+    int32_t slot_expert(int32_t slot) const { return slots_[size_t(slot)].expert; }
+    int32_t slot_layer(int32_t slot) const { return slots_[size_t(slot)].layer; }
+    bool slot_pinned(int32_t slot) const { return slots_[size_t(slot)].pins > 0; }
+    bool slot_fixed(int32_t slot) const { return slots_[size_t(slot)].fixed; }
+    /// Slots of the layer held by fixed experts.
+    int32_t layer_fixed(int32_t layer) const { return fixed_count_[size_t(layer)]; }
+
+    /// Counts n routed experts of the layer that ran on the CPU.
+    void record_cpu(int32_t layer, uint64_t n = 1) { stats_[size_t(layer)].cpu_runs += n; }
+    /// Adds time the layer's compute waited for expert bytes, microseconds.
+    void record_stall(int32_t layer, double us) { stats_[size_t(layer)].stall_us += us; }
+    const CacheLayerStats &stats(int32_t layer) const { return stats_[size_t(layer)]; }
+    CacheLayerStats total_stats() const;
+    void reset_stats();
+
+    /// One line: budget, slots, slot size, policy.
+    std::string describe() const;
+    /// A table with one row per layer and a total row (printed at exit).
+    std::string stats_table() const;
+    /// {"layers": [{...per layer...}], "total": {...}} with the counter names of CacheLayerStats.
+    nlohmann::json stats_json() const;
+
+  private:
+    struct Slot {
+        int32_t layer = 0;        // eviction group, fixed for life
+        int32_t expert = -1;      // resident expert, -1 = free
+        int32_t pins = 0;         // acquires by the running layer
+        bool fixed = false;       // never evicted (fix())
+        bool prefetched = false;  // loaded by prefetch and not used since
+        uint64_t round = 0;       // prefetch round of the load
+        uint64_t bytes = 0;       // bytes of the resident expert
+        Ticket ticket;            // its load
+    };
+
+    size_t key(int32_t layer, int32_t expert) const {
+        return size_t(layer) * size_t(layout_.n_experts) + size_t(expert);
+    }
+    void update_evictable(int32_t slot);
+    // Frees a slot of the layer for a new expert (free list first, then the policy's victim among `mask`);
+    // fills the grant's eviction fields. -1 if none.
+    int32_t take_slot(int32_t layer, int32_t incoming, std::span<const uint8_t> mask, SlotGrant *grant);
+    void install(int32_t slot, int32_t layer, int32_t expert, bool prefetch);
+    void pin(int32_t slot);
+
+    ExpertCacheConfig config_;
+    SlotLayout layout_;
+    uint64_t slot_bytes_ = 0;
+    Backend *backend_ = nullptr;
+    uint8_t *pool_ = nullptr;                 // [n_slots * slot_bytes] device memory, owned
+    std::vector<Slot> slots_;                 // [n_slots]
+    std::vector<int32_t> map_;                // [n_layers * n_experts] -> slot or -1
+    std::vector<uint8_t> evictable_;          // [n_slots] occupied, unpinned, not fixed
+    std::vector<uint8_t> prefetch_mask_;      // [n_slots] scratch: evictable and not prefetched this round
+    std::vector<std::vector<int32_t>> free_;  // [n_layers] free slots (capacity = layer slots)
+    std::vector<std::vector<int32_t>> pinned_;// [n_layers] slots pinned by the running layer
+    std::vector<CacheLayerStats> stats_;      // [n_layers]
+    std::vector<int32_t> fixed_count_;        // [n_layers] fixed slots
+    std::unique_ptr<EvictionPolicy> policy_;
+    uint64_t prefetch_round_ = 1;
+};
+
+} // namespace prescope
