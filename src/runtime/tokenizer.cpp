@@ -544,6 +544,10 @@ Tokenizer Tokenizer::from_gguf(const GgufFile &f) {
     for (std::string_view text : kEogTexts)
         if (const int32_t id = t.lookup(text); id >= 0) t.eog[size_t(id)] = true;
 
+    std::array<int16_t, 256 + 68> cp_byte;  // inverse of byte_cp (gpt2): code point -> byte, or -1
+    cp_byte.fill(-1);
+    if (!spm)
+        for (int b = 0; b < 256; ++b) cp_byte[t.byte_cp[size_t(b)]] = int16_t(b);
     t.pieces.resize(n);
     for (size_t i = 0; i < n; ++i) {
         const std::string &text = t.tokens[i];
@@ -577,9 +581,8 @@ Tokenizer Tokenizer::from_gguf(const GgufFile &f) {
                         continue;
                     }
                     const uint32_t cp = utf8_decode(s + pos, st.len);
-                    const auto b = std::find(t.byte_cp.begin(), t.byte_cp.end(), cp);
-                    if (b != t.byte_cp.end())
-                        piece += char(b - t.byte_cp.begin());
+                    if (cp < cp_byte.size() && cp_byte[cp] >= 0)
+                        piece += char(cp_byte[cp]);
                     else
                         piece.append(text, pos, st.len);
                     pos += st.len;

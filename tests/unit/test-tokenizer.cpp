@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <ctime>
@@ -59,7 +60,6 @@ std::string show(const std::string &s) {
 
 class TokenizerReference : public ::testing::TestWithParam<std::string> {
   protected:
-    static void SetUpTestSuite() {}
     void SetUp() override { fx_ = load(GetParam()); }
     Loaded fx_;
 };
