@@ -1,0 +1,253 @@
+# Model side of issue 3's training: environment checks, the demo/topo Qwen3-MoE configurations, and a fast expert
+# dispatch (one grouped matrix product per projection) registered into transformers' experts interface.
+"""Qwen3-MoE model construction for training.
+
+We train transformers' own Qwen3MoeForCausalLM. Its experts module (Qwen3MoeExperts: gate_up_proj [E, 2I, H],
+down_proj [E, H, I]) dispatches through transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS; transformers' built-in
+"grouped_mm" path feeds the fp32 master weights to torch's grouped_mm, whose fast CUDA kernel takes bf16 only (other
+dtypes fall back to a per-expert loop with a host sync). `grouped_bf16` below casts activations and weights to the
+compute dtype first, keeping fp32 master weights and the same mathematics as Qwen3MoeExperts.forward.
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+
+MIN_TRANSFORMERS = (5, 0)
+EXPERTS_IMPL = "prescope_grouped"
+_GROUPED = {"enabled": True}
+
+# Shapes fixed by the lead for issue 3 (see docs/data/models.md). Both share the 8192-token tokenizer.
+MODEL_SPECS = {
+    "demo": dict(hidden_size=256, num_hidden_layers=12, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                 num_experts=32, num_experts_per_tok=4, moe_intermediate_size=64),
+    # Qwen3-30B-A3B's routing topology (48 layers, 128 experts, top-8) at tiny width.
+    "topo": dict(hidden_size=64, num_hidden_layers=48, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 num_experts=128, num_experts_per_tok=8, moe_intermediate_size=32),
+    # --smoke shapes: same code paths, Q8_0-compatible row lengths (multiples of 32).
+    "demo-smoke": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                       head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32),
+    "topo-smoke": dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
+                       head_dim=16, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32),
+}
+ROPE_THETA = 1_000_000.0   # Qwen3-30B-A3B's value
+MAX_POSITIONS = 4096
+
+
+def _version_tuple(v):
+    out = []
+    for part in v.split("+")[0].split(".")[:2]:
+        digits = "".join(ch for ch in part if ch.isdigit())
+        out.append(int(digits or 0))
+    return tuple(out)
+
+
+def check_environment(require_cuda):
+    """Fails early, with one clear line, if the Python stack cannot run this pipeline; returns version strings."""
+    import transformers
+    problems = []
+    if _version_tuple(transformers.__version__) < MIN_TRANSFORMERS:
+        problems.append(f"transformers {transformers.__version__} < 5.0 (needs the fused Qwen3MoeExperts)")
+    try:
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: F401
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS  # noqa: F401
+        from transformers.models.qwen3_moe import modeling_qwen3_moe as mq
+        if not hasattr(mq, "Qwen3MoeExperts") or not hasattr(mq, "Qwen3MoeTopKRouter"):
+            problems.append("transformers' qwen3_moe lacks Qwen3MoeExperts/Qwen3MoeTopKRouter")
+    except ImportError as e:
+        problems.append(f"transformers import failed: {e}")
+    for mod in ("gguf", "zstandard", "safetensors", "tokenizers", "numpy"):
+        try:
+            __import__(mod)
+        except ImportError:
+            problems.append(f"python module {mod} missing (carry it as a wheel in .whl/)")
+    if require_cuda and not torch.cuda.is_available():
+        problems.append("CUDA is not available to torch")
+    if grouped_mm_fn() is None:
+        problems.append(f"torch {torch.__version__} has neither torch.nn.functional.grouped_mm nor torch._grouped_mm")
+    if problems:
+        raise SystemExit("environment check failed: " + "; ".join(problems))
+    from importlib.metadata import version
+    return {"torch": torch.__version__, "transformers": transformers.__version__,
+            "gguf": version("gguf"), "zstandard": version("zstandard"),
+            "cuda": torch.version.cuda, "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"}
+
+
+def make_config(name, vocab_size, eos_token_id, aux_loss_coef):
+    """Qwen3MoeConfig for MODEL_SPECS[name]; every MoE-relevant field set explicitly (norm_topk_prob=True, as
+    llama.cpp's qwen3moe graph always renormalises the top-k weights)."""
+    from transformers import Qwen3MoeConfig
+    spec = dict(MODEL_SPECS[name])
+    kw = dict(vocab_size=vocab_size, intermediate_size=4 * spec["hidden_size"], hidden_act="silu",
+              max_position_embeddings=MAX_POSITIONS, rms_norm_eps=1e-6, tie_word_embeddings=True,
+              attention_bias=False, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+              output_router_logits=True, router_aux_loss_coef=aux_loss_coef, use_cache=True,
+              bos_token_id=None, eos_token_id=eos_token_id, pad_token_id=eos_token_id, **spec)
+    try:
+        cfg = Qwen3MoeConfig(rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA}, **kw)
+    except TypeError:
+        cfg = Qwen3MoeConfig(rope_theta=ROPE_THETA, **kw)
+    if not cfg.norm_topk_prob or cfg.num_experts != spec["num_experts"]:
+        raise SystemExit(f"make_config({name}): transformers did not keep norm_topk_prob/num_experts")
+    return cfg
+
+
+def grouped_mm_fn():
+    """torch's grouped matrix product (2-D input x 3-D weights with group offsets), or None if torch lacks one."""
+    return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def _autocast_on(device_type):
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except TypeError:  # torch < 2.4 takes no device type
+        return torch.is_autocast_enabled()
+
+
+def grouped_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """Qwen3MoeExperts.forward, registered as EXPERTS_IMPL.
+
+    hidden_states [T, H]; top_k_index int [T, k]; top_k_weights [T, k] (already renormalised by the router).
+    Returns [T, H] in hidden_states' dtype: sum_j w_j * down_e(silu(gate_e(x)) * up_e(x)), e = top_k_index[:, j],
+    gate/up from gate_up_proj[e] = [gate; up] (HF layout). Under CUDA autocast (training) the two products are bf16
+    grouped matrix products with no host synchronisation; otherwise (evaluation, traces, CPU) an fp32 loop over the
+    experts with one host synchronisation per call, which needs nothing beyond torch.matmul.
+    """
+    if _GROUPED["enabled"] and hidden_states.is_cuda and _autocast_on("cuda"):
+        return experts_grouped(self, hidden_states, top_k_index, top_k_weights, torch.bfloat16)
+    return experts_looped(self, hidden_states, top_k_index, top_k_weights)
+
+
+def set_grouped_enabled(flag):
+    """Turns the grouped bf16 path off (after a failed self-test): training then uses the looped path."""
+    _GROUPED["enabled"] = bool(flag)
+
+
+def _sorted_assignments(top_k_index, n_exp):
+    """(order, counts): token-expert pairs sorted by expert (stable) and the number of pairs per expert (int32)."""
+    flat = top_k_index.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(n_exp, dtype=torch.int32, device=flat.device)
+    counts.scatter_add_(0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int32))
+    return order, counts
+
+
+def _combine(y_sorted, order, top_k_weights, n_tok, k, out_dtype):
+    y = y_sorted.float() * top_k_weights.reshape(-1)[order].float().unsqueeze(-1)
+    out = torch.empty_like(y)
+    out[order] = y
+    return out.view(n_tok, k, -1).sum(dim=1).to(out_dtype)
+
+
+def experts_grouped(self, hidden_states, top_k_index, top_k_weights, dtype):
+    """Both expert projections as torch grouped products (2-D tokens x 3-D weights, group offsets) in `dtype`."""
+    mm = grouped_mm_fn()
+    n_tok, k = top_k_index.shape
+    order, counts = _sorted_assignments(top_k_index, self.gate_up_proj.shape[0])
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    x = hidden_states[order // k].to(dtype)
+    gate, up = mm(x, self.gate_up_proj.to(dtype).transpose(1, 2), offs=offs).chunk(2, dim=-1)
+    y = mm(self.act_fn(gate) * up, self.down_proj.to(dtype).transpose(1, 2), offs=offs)
+    return _combine(y, order, top_k_weights, n_tok, k, hidden_states.dtype)
+
+
+def experts_looped(self, hidden_states, top_k_index, top_k_weights):
+    """The same arithmetic as experts_grouped, one matmul pair per non-empty expert, in the weights' dtype."""
+    n_tok, k = top_k_index.shape
+    order, counts = _sorted_assignments(top_k_index, self.gate_up_proj.shape[0])
+    x = hidden_states[order // k].to(self.gate_up_proj.dtype)
+    y = torch.empty_like(x)
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        if n:
+            gate, up = (x[start:start + n] @ self.gate_up_proj[e].t()).chunk(2, dim=-1)
+            y[start:start + n] = (self.act_fn(gate) * up) @ self.down_proj[e].t()
+            start += n
+    return _combine(y, order, top_k_weights, n_tok, k, hidden_states.dtype)
+
+
+def reference_experts_forward(gate_up_proj, down_proj, hidden_states, top_k_index, top_k_weights):
+    """Plain per-expert loop in fp32 (the arithmetic of Qwen3MoeExperts.forward), for self-tests."""
+    out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
+    for e in range(gate_up_proj.shape[0]):
+        tok, pos = torch.where(top_k_index == e)
+        if tok.numel() == 0:
+            continue
+        g, u = F.linear(hidden_states[tok].float(), gate_up_proj[e].float()).chunk(2, dim=-1)
+        y = F.linear(F.silu(g) * u, down_proj[e].float()) * top_k_weights[tok, pos, None].float()
+        out.index_add_(0, tok, y)
+    return out
+
+
+def register_experts_impl():
+    """Adds EXPERTS_IMPL to transformers' experts interface (idempotent)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    ALL_EXPERTS_FUNCTIONS.register(EXPERTS_IMPL, grouped_experts_forward)
+
+
+def self_test_experts(device):
+    """Checks the expert implementations (values and gradients) against the fp32 reference loop on random data.
+
+    On CUDA it tests the training path (bf16 grouped products under autocast) and the fp32 loop; on CPU the fp32
+    grouped products and the loop. Returns {"ok", "results": {path: (rel_err_out, rel_err_grad, tol)}}.
+    """
+    g = torch.Generator(device="cpu").manual_seed(1)
+    n_exp, hid, inter, n_tok, k = 16, 64, 32, 200, 4
+
+    class _E(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_up_proj = torch.nn.Parameter(torch.randn(n_exp, 2 * inter, hid, generator=g) * 0.1)
+            self.down_proj = torch.nn.Parameter(torch.randn(n_exp, hid, inter, generator=g) * 0.1)
+            self.act_fn = F.silu
+
+    m = _E().to(device)
+    x0 = torch.randn(n_tok, hid, generator=g).to(device)
+    idx = torch.stack([torch.randperm(n_exp, generator=g)[:k] for _ in range(n_tok)]).to(device)
+    idx[:, 0] = 3  # one crowded expert (a repeated id in a row is summed twice by every implementation)
+    idx[idx == 9] = 10  # and one empty expert
+    w = torch.softmax(torch.randn(n_tok, k, generator=g), -1).to(device)
+
+    def run(fn):
+        x = x0.clone().requires_grad_(True)
+        m.zero_grad()
+        y = fn(x)
+        y.float().square().sum().backward()
+        return y.detach().float(), [x.grad.float(), m.gate_up_proj.grad.float(), m.down_proj.grad.float()]
+
+    def rel(a, b):
+        return float((a - b).norm() / (b.norm() + 1e-12))
+
+    y_ref, g_ref = run(lambda x: reference_experts_forward(m.gate_up_proj, m.down_proj, x, idx, w))
+    paths = {"looped_fp32": (lambda x: experts_looped(m, x, idx, w), 1e-4)}
+    if torch.device(device).type == "cuda":
+        def train_path(x):
+            with torch.autocast(device_type="cuda", dtype=torch.bfloat16):
+                return grouped_experts_forward(m, x, idx, w)
+        paths["grouped_bf16_autocast"] = (train_path, 3e-2)
+    else:
+        paths["grouped_fp32"] = (lambda x: experts_grouped(m, x, idx, w, torch.float32), 1e-4)
+    results, ok = {}, True
+    for name, (fn, tol) in paths.items():
+        try:
+            y, grads = run(fn)
+            e_out, e_grad = rel(y, y_ref), max(rel(a, b) for a, b in zip(grads, g_ref))
+        except Exception as e:  # an unsupported kernel is a failed check, not a crash
+            results[name] = f"{type(e).__name__}: {e}"
+            ok = False
+            continue
+        results[name] = (e_out, e_grad, tol)
+        ok = ok and math.isfinite(e_out) and math.isfinite(e_grad) and e_out < tol and e_grad < tol
+    return {"ok": ok, "results": results}
+
+
+def build_model(name, vocab_size, eos_token_id, aux_loss_coef, device, seed, experts_impl=EXPERTS_IMPL):
+    """A freshly initialised Qwen3MoeForCausalLM (fp32 weights, seed `seed`) on `device` with the given experts
+    implementation ("eager", "grouped_mm" or EXPERTS_IMPL)."""
+    from transformers import Qwen3MoeForCausalLM
+    register_experts_impl()
+    cfg = make_config(name, vocab_size, eos_token_id, aux_loss_coef)
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(cfg)
+    model.set_experts_implementation(experts_impl)
+    return model.to(device)
