@@ -3,8 +3,11 @@
 // logits at every position within the stated tolerance, and identical greedy tokens.
 #include "arch/arch.h"
 #include "runtime/context.h"
+#include "runtime/perplexity.h"
 #include "runtime/sampler.h"
+#include "runtime/tokenizer.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -37,6 +40,41 @@ std::vector<float> read_f32(const fs::path &p) {
     std::vector<float> v(fs::file_size(p) / 4);
     in.read(reinterpret_cast<char *>(v.data()), std::streamsize(v.size() * 4));
     return v;
+}
+
+/// Length of the valid UTF-8 sequence starting at s[i], or 0 (Unicode 15 Table 3-7 well-formed sequences).
+size_t utf8_valid_len(const std::string &s, size_t i) {
+    const auto b = [&](size_t k) { return k < s.size() ? static_cast<unsigned char>(s[k]) : 0x100u; };
+    const unsigned c = b(i);
+    auto cont = [&](size_t k, unsigned lo, unsigned hi) { return b(k) >= lo && b(k) <= hi; };
+    if (c < 0x80) return 1;
+    if (c >= 0xC2 && c <= 0xDF) return cont(i + 1, 0x80, 0xBF) ? 2 : 0;
+    if (c >= 0xE0 && c <= 0xEF) {
+        const unsigned lo = c == 0xE0 ? 0xA0 : 0x80, hi = c == 0xED ? 0x9F : 0xBF;
+        return cont(i + 1, lo, hi) && cont(i + 2, 0x80, 0xBF) ? 3 : 0;
+    }
+    if (c >= 0xF0 && c <= 0xF4) {
+        const unsigned lo = c == 0xF0 ? 0x90 : 0x80, hi = c == 0xF4 ? 0x8F : 0xBF;
+        return cont(i + 1, lo, hi) && cont(i + 2, 0x80, 0xBF) && cont(i + 3, 0x80, 0xBF) ? 4 : 0;
+    }
+    return 0;
+}
+
+/// Python's bytes.decode("utf-8", errors="backslashreplace"), which tools/py/llama_cpp_check.py used to
+/// store llama.cpp's stdout in JSON: each byte that is not part of a valid sequence becomes "\\xNN".
+std::string backslash_replace(const std::string &s) {
+    std::string out;
+    for (size_t i = 0; i < s.size();) {
+        const size_t n = utf8_valid_len(s, i);
+        if (n > 0) {
+            out.append(s, i, n);
+            i += n;
+        } else {
+            out += fmt::format("\\x{:02x}", static_cast<unsigned char>(s[i]));
+            ++i;
+        }
+    }
+    return out;
 }
 
 class Reference : public ::testing::TestWithParam<fs::path> {};
@@ -89,12 +127,32 @@ TEST_P(Reference, GreedyTokensIdentical) {
         ctx.eval({&next, 1});
     }
     EXPECT_EQ(got, greedy) << GetParam();
-    if (ref.contains("llama_cpp_greedy")) {
-        const auto lc = ref["llama_cpp_greedy"]["tokens"].get<std::vector<int32_t>>();
-        EXPECT_EQ(std::vector<int32_t>(got.begin(), got.begin() + long(std::min(lc.size(), got.size()))),
-                  std::vector<int32_t>(lc.begin(), lc.begin() + long(std::min(lc.size(), got.size()))))
-            << "llama.cpp greedy tokens differ: " << GetParam();
+    // llama.cpp (tools/py/llama_cpp_check.py: llama-completion --temp 0 on the same GGUF) printed the
+    // text of its greedy tokens; where it reproduced all of them, our text must be byte-identical.
+    if (ref.contains("llama_cpp_greedy") && ref["llama_cpp_greedy"]["hf_tokens_reproduced"] == greedy.size()) {
+        const prescope::Tokenizer tok = prescope::Tokenizer::from_gguf(model->file());
+        std::string ours;
+        for (int32_t t : got) ours += tok.token_to_piece(t);
+        std::string theirs = ref["llama_cpp_greedy"]["stdout"].get<std::string>();
+        while (!theirs.empty() && theirs.back() == '\n' && (ours.empty() || ours.back() != '\n')) theirs.pop_back();
+        EXPECT_EQ(backslash_replace(ours), theirs) << "llama.cpp greedy text differs: " << GetParam();
     }
+}
+
+TEST_P(Reference, PerplexityWithinHalfPercentOfLlamaCpp) {
+    const json ref = read_json(GetParam());
+    if (!ref.contains("llama_cpp_perplexity")) GTEST_SKIP() << "no llama.cpp perplexity recorded";
+    const json &lc = ref["llama_cpp_perplexity"];
+    const auto model = prescope::Model::load((GetParam().parent_path() / ref["model"].get<std::string>()).string());
+    const prescope::Tokenizer tok = prescope::Tokenizer::from_gguf(model->file());
+    std::ifstream in(fs::path(PRESCOPE_SOURCE_DIR) / lc["text"].get<std::string>(), std::ios::binary);
+    const std::string text{std::istreambuf_iterator<char>(in), {}};
+    const int64_t n_ctx = lc["n_ctx"].get<int64_t>();
+    prescope::Context ctx(*model, {n_ctx, n_ctx});
+    const auto r = prescope::perplexity(ctx, tok.encode(text, true, false), n_ctx, tok.add_bos() ? tok.bos() : -1);
+    EXPECT_EQ(r.n_chunks, lc["n_chunks"].get<int64_t>());
+    const double theirs = lc["ppl"].get<double>();
+    EXPECT_LE(std::fabs(r.ppl - theirs) / theirs, 0.005) << "ours " << r.ppl << ", llama.cpp " << theirs;
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, Reference, ::testing::ValuesIn(reference_files()), param_name);

@@ -66,8 +66,10 @@ void run_generate(const GenerateArgs &a) {
     int64_t n_decoded = 0;  // forward passes of single generated tokens
     const auto t_decode = Clock::now();
     TokenTextStream stream(tok);
+    // Models may pad the embedding past the tokenizer's vocabulary; padded ids are never sampled.
+    const int64_t n_sample = std::min<int64_t>(model->hp().n_vocab, tok.n_vocab());
     for (int64_t i = 0; a.n_predict < 0 || i < a.n_predict; ++i) {
-        const int32_t next = sampler.sample(ctx.logits().data(), model->hp().n_vocab);
+        const int32_t next = sampler.sample(ctx.logits().data(), n_sample);
         if (i == 0) ttft_s = seconds_since(t_start);
         if (tok.is_eog(next)) break;
         sampler.accept(next);
