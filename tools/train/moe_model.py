@@ -123,6 +123,11 @@ def set_grouped_enabled(flag):
     _GROUPED["enabled"] = bool(flag)
 
 
+def grouped_enabled():
+    """Whether training uses the grouped bf16 path (see set_grouped_enabled)."""
+    return _GROUPED["enabled"]
+
+
 def _sorted_assignments(top_k_index, n_exp):
     """(order, counts): token-expert pairs sorted by expert (stable) and the number of pairs per expert (int32)."""
     flat = top_k_index.reshape(-1)

@@ -197,6 +197,20 @@ def evaluate(model, windows, device, batch, unigram_lp=None, fp32=True):
     return out
 
 
+def train_step(model, opt, x, vocab, aux_coef, device):
+    """One optimiser step on token windows x [B, T+1]; returns (loss, ce, aux, grad_norm) as device tensors."""
+    with autocast_for(device):
+        out = model(input_ids=x[:, :-1], use_cache=False, output_router_logits=True)
+    ce = F.cross_entropy(out.logits.float().reshape(-1, vocab), x[:, 1:].reshape(-1))
+    aux = out.aux_loss.float() if out.aux_loss is not None else torch.zeros((), device=device)
+    loss = ce + aux_coef * aux
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return loss, ce, aux, gnorm
+
+
 def train_model(run, train_tokens, val_windows, vocab, eos_id, device, deadline, experts_impl, unigram_lp):
     """Trains one model; returns (model, record) with the loss curve, step counts and timing."""
     model = moe_model.build_model(run["spec"], vocab, eos_id, run["aux"], device, run["seed"], experts_impl)
@@ -233,15 +247,18 @@ def train_model(run, train_tokens, val_windows, vocab, eos_id, device, deadline,
         starts = rng.integers(0, len(train_tokens) - seq - 1, size=batch)
         x = torch.from_numpy(np.stack([train_tokens[s:s + seq + 1] for s in starts]).astype(np.int64))
         x = x.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else x
-        with autocast_for(device):
-            out = model(input_ids=x[:, :-1], use_cache=False, output_router_logits=True)
-        ce = F.cross_entropy(out.logits.float().reshape(-1, vocab), x[:, 1:].reshape(-1))
-        aux = out.aux_loss.float() if out.aux_loss is not None else torch.zeros((), device=device)
-        loss = ce + run["aux"] * aux
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        try:
+            loss, ce, aux, gnorm = train_step(model, opt, x, vocab, run["aux"], device)
+        except RuntimeError as e:
+            # The grouped kernel passed its self-test; should the full model still trip it, the looped path
+            # (same arithmetic) takes over rather than losing the run. Only the first step may do this.
+            if step > 0 or not moe_model.grouped_enabled():
+                raise
+            log(f"{run['spec']}: first step failed on the grouped expert path ({e}); retrying with the looped path")
+            rec["grouped_path_failed"] = f"{type(e).__name__}: {e}"
+            moe_model.set_grouped_enabled(False)
+            opt.zero_grad(set_to_none=True)
+            loss, ce, aux, gnorm = train_step(model, opt, x, vocab, run["aux"], device)
         step += 1
         if step == calib[0]:
             if device.type == "cuda":
