@@ -475,6 +475,43 @@ TEST(CpuOps, TopKOrdersDescendingWithTiesToLowerIndex) {
 // ---------------------------------------------------------------------------------------------
 // attention
 
+namespace {
+
+/// Double-precision causal GQA attention; bound[i] = sum_j p_j |v_j| of each output element.
+void reference_attention(const std::vector<float> &q, const std::vector<float> &k, const std::vector<float> &v,
+                         int64_t n_tok, int64_t pos0, int64_t n_head, int64_t n_head_kv, int64_t head_dim, float scale,
+                         std::vector<double> &ref, std::vector<double> &bound) {
+    const int64_t ratio = n_head / n_head_kv;
+    ref.assign(q.size(), 0.0);
+    bound.assign(q.size(), 0.0);
+    for (int64_t t = 0; t < n_tok; ++t)
+        for (int64_t h = 0; h < n_head; ++h) {
+            const int64_t kvh = h / ratio, n_kv = pos0 + t + 1;
+            std::vector<double> p(static_cast<size_t>(n_kv));
+            for (int64_t j = 0; j < n_kv; ++j) {
+                double s = 0.0;
+                for (int64_t d = 0; d < head_dim; ++d)
+                    s += double(q[size_t((t * n_head + h) * head_dim + d)]) * k[size_t((j * n_head_kv + kvh) * head_dim + d)];
+                p[size_t(j)] = s * scale;
+            }
+            const double mx = *std::max_element(p.begin(), p.end());
+            double sum = 0.0;
+            for (double &e : p) sum += (e = std::exp(e - mx));
+            for (int64_t d = 0; d < head_dim; ++d) {
+                double o = 0.0, b = 0.0;
+                for (int64_t j = 0; j < n_kv; ++j) {
+                    const double vj = v[size_t((j * n_head_kv + kvh) * head_dim + d)];
+                    o += p[size_t(j)] / sum * vj;
+                    b += p[size_t(j)] / sum * std::fabs(vj);
+                }
+                ref[size_t((t * n_head + h) * head_dim + d)] = o;
+                bound[size_t((t * n_head + h) * head_dim + d)] = b;
+            }
+        }
+}
+
+} // namespace
+
 TEST(CpuOps, AttentionMatchesReference) {
     std::mt19937 rng(71);
     const int64_t n_head = 8;
@@ -490,32 +527,8 @@ TEST(CpuOps, AttentionMatchesReference) {
                     const std::vector<float> k = random_floats(size_t(n_pos * n_head_kv * head_dim), rng, -2.0f, 2.0f);
                     const std::vector<float> v = random_floats(size_t(n_pos * n_head_kv * head_dim), rng);
                     const float scale = 1.0f / std::sqrt(float(head_dim));
-                    std::vector<double> ref(q.size()), bound(q.size());
-                    for (int64_t t = 0; t < n_tok; ++t)
-                        for (int64_t h = 0; h < n_head; ++h) {
-                            const int64_t kvh = h / ratio, n_kv = pos0 + t + 1;
-                            std::vector<double> p(static_cast<size_t>(n_kv));
-                            for (int64_t j = 0; j < n_kv; ++j) {
-                                double s = 0.0;
-                                for (int64_t d = 0; d < head_dim; ++d)
-                                    s += double(q[size_t((t * n_head + h) * head_dim + d)]) *
-                                         k[size_t((j * n_head_kv + kvh) * head_dim + d)];
-                                p[size_t(j)] = s * scale;
-                            }
-                            const double mx = *std::max_element(p.begin(), p.end());
-                            double sum = 0.0;
-                            for (double &e : p) sum += (e = std::exp(e - mx));
-                            for (int64_t d = 0; d < head_dim; ++d) {
-                                double o = 0.0, b = 0.0;
-                                for (int64_t j = 0; j < n_kv; ++j) {
-                                    const double vj = v[size_t((j * n_head_kv + kvh) * head_dim + d)];
-                                    o += p[size_t(j)] / sum * vj;
-                                    b += p[size_t(j)] / sum * std::fabs(vj);
-                                }
-                                ref[size_t((t * n_head + h) * head_dim + d)] = o;
-                                bound[size_t((t * n_head + h) * head_dim + d)] = b;
-                            }
-                        }
+                    std::vector<double> ref, bound;
+                    reference_attention(q, k, v, n_tok, pos0, n_head, n_head_kv, head_dim, scale, ref, bound);
                     for_each_config([&] {
                         std::vector<float> out(q.size(), kNaN);
                         attention(q.data(), k.data(), v.data(), n_tok, pos0, n_head, n_head_kv, head_dim, scale,
@@ -526,4 +539,24 @@ TEST(CpuOps, AttentionMatchesReference) {
             }
         }
     }
+}
+
+TEST(CpuOps, AttentionWithScoresGrowingAlongTheCache) {
+    // Scores rise with the position, so the running maximum of the online softmax grows in every
+    // block of positions and what came before is rescaled each time.
+    std::mt19937 rng(72);
+    const int64_t n_head = 4, n_head_kv = 2, head_dim = 64, n_tok = 2, pos0 = 500, n_pos = pos0 + n_tok;
+    const std::vector<float> q = random_floats(size_t(n_tok * n_head * head_dim), rng, 0.5f, 1.0f);
+    std::vector<float> k = random_floats(size_t(n_pos * n_head_kv * head_dim), rng, 0.5f, 1.0f);
+    for (int64_t j = 0; j < n_pos; ++j)
+        for (int64_t i = 0; i < n_head_kv * head_dim; ++i) k[size_t(j * n_head_kv * head_dim + i)] *= float(j) / 100.0f;
+    const std::vector<float> v = random_floats(size_t(n_pos * n_head_kv * head_dim), rng);
+    const float scale = 1.0f / std::sqrt(float(head_dim));
+    std::vector<double> ref, bound;
+    reference_attention(q, k, v, n_tok, pos0, n_head, n_head_kv, head_dim, scale, ref, bound);
+    for_each_config([&] {
+        std::vector<float> out(q.size(), kNaN);
+        attention(q.data(), k.data(), v.data(), n_tok, pos0, n_head, n_head_kv, head_dim, scale, out.data());
+        EXPECT_TRUE(all_close(out, ref, bound, 2e-5));
+    });
 }

@@ -11,6 +11,14 @@
 
 namespace prescope::cpu {
 
+namespace {
+
+// Cache positions per step of the online softmax: a block of K or V rows (64 x head_dim floats,
+// 32 KiB at head_dim 128) stays in L1 while every query head of the task reads it.
+constexpr int64_t kKvBlock = 64;
+
+} // namespace
+
 void attention(const float *q, const float *k_cache, const float *v_cache, int64_t n_tok, int64_t pos0,
                int64_t n_head, int64_t n_head_kv, int64_t head_dim, float scale, float *out) {
     PRESCOPE_ASSERT(n_head_kv > 0 && n_head % n_head_kv == 0 && pos0 >= 0);
@@ -31,7 +39,8 @@ void attention(const float *q, const float *k_cache, const float *v_cache, int64
 
 #pragma omp parallel num_threads(nth) if (nth > 1 && n_tasks > 1)
     {
-        std::vector<float> scores;  // [heads of the run][positions]
+        std::vector<float> scores(size_t(heads_per_task * kKvBlock));  // [head of the run][block position]
+        std::vector<float> row_max(static_cast<size_t>(heads_per_task)), row_sum(static_cast<size_t>(heads_per_task));
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < n_tasks; ++task) {
             const int64_t t = task / (n_head_kv * runs);
@@ -39,27 +48,38 @@ void attention(const float *q, const float *k_cache, const float *v_cache, int64
             const int64_t h0 = kvh * group + task % runs * heads_per_task;
             const int64_t nh = std::min(heads_per_task, (kvh + 1) * group - h0);
             const int64_t n_kv = pos0 + t + 1;  // causal: positions 0 ..= pos0 + t
-            scores.resize(size_t(nh * n_kv));
+            float *o = out + (t * n_head + h0) * head_dim;
+            std::fill(o, o + nh * head_dim, 0.0f);
+            std::fill(row_max.begin(), row_max.end(), -INFINITY);
+            std::fill(row_sum.begin(), row_sum.end(), 0.0f);
 
-            k.gemv[dtype_index(DType::F32)](reinterpret_cast<const uint8_t *>(k_cache + kvh * head_dim),
-                                            size_t(kv_stride) * sizeof(float), n_kv, head_dim,
-                                            q + (t * n_head + h0) * head_dim, head_dim, nh, scores.data(), n_kv);
+            // Online softmax (flash-attention style) over blocks of positions: each block's scores,
+            // then its share of P.V, rescaling what came before whenever the running maximum grows.
+            for (int64_t j0 = 0; j0 < n_kv; j0 += kKvBlock) {
+                const int64_t nb = std::min(kKvBlock, n_kv - j0);
+                const float *kb = k_cache + j0 * kv_stride + kvh * head_dim;
+                const float *vb = v_cache + j0 * kv_stride + kvh * head_dim;
+                k.gemv[dtype_index(DType::F32)](reinterpret_cast<const uint8_t *>(kb), size_t(kv_stride) * sizeof(float),
+                                                nb, head_dim, q + (t * n_head + h0) * head_dim, head_dim, nh,
+                                                scores.data(), nb);
+                for (int64_t i = 0; i < nh; ++i) {
+                    float *s = scores.data() + i * nb;
+                    float mx = row_max[size_t(i)];
+                    for (int64_t j = 0; j < nb; ++j) mx = std::max(mx, s[j] *= scale);
+                    const float correction = std::exp(row_max[size_t(i)] - mx);  // 0 on the first block
+                    float sum = 0.0f;
+                    for (int64_t j = 0; j < nb; ++j) sum += (s[j] = std::exp(s[j] - mx));
+                    row_sum[size_t(i)] = row_sum[size_t(i)] * correction + sum;
+                    row_max[size_t(i)] = mx;
+                    float *oi = o + i * head_dim;
+                    if (correction != 1.0f)
+                        for (int64_t d = 0; d < head_dim; ++d) oi[d] *= correction;
+                    k.weighted_row_sum(s, vb, kv_stride, nb, head_dim, oi);
+                }
+            }
             for (int64_t i = 0; i < nh; ++i) {
-                float *s = scores.data() + i * n_kv;
-                float mx = -INFINITY;
-                for (int64_t j = 0; j < n_kv; ++j) {
-                    s[j] *= scale;
-                    mx = std::max(mx, s[j]);
-                }
-                double sum = 0.0;
-                for (int64_t j = 0; j < n_kv; ++j) {
-                    s[j] = std::exp(s[j] - mx);
-                    sum += s[j];
-                }
-                const float inv = float(1.0 / sum);
-                for (int64_t j = 0; j < n_kv; ++j) s[j] *= inv;
-                k.weighted_row_sum(s, v_cache + kvh * head_dim, kv_stride, n_kv, head_dim,
-                                   out + (t * n_head + h0 + i) * head_dim);
+                const float inv = 1.0f / row_sum[size_t(i)];
+                for (int64_t d = 0; d < head_dim; ++d) o[i * head_dim + d] *= inv;
             }
         }
     }

@@ -196,26 +196,26 @@ void convert(const uint8_t *w, size_t w_stride, int64_t n_rows, int64_t n, float
 template <class S>
 void weighted_row_sum(const float *p, const float *v, int64_t v_stride, int64_t n_rows, int64_t n, float *out) {
     using V = typename S::V;
-    constexpr int N = S::N, C = 4;
+    constexpr int N = S::N, C = 8;
     int64_t i = 0;
     for (; i + C * N <= n; i += C * N) {
         V acc[C];
-        for (int c = 0; c < C; ++c) acc[c] = S::zero();
+        for (int c = 0; c < C; ++c) acc[c] = S::load(out + i + c * N);
         for (int64_t j = 0; j < n_rows; ++j) {
             const V pj = S::set1(p[j]);
             const float *vj = v + j * v_stride + i;
-#pragma GCC unroll 4
+#pragma GCC unroll 8
             for (int c = 0; c < C; ++c) acc[c] = S::fmadd(pj, S::load(vj + c * N), acc[c]);
         }
         for (int c = 0; c < C; ++c) S::store(out + i + c * N, acc[c]);
     }
     for (; i + N <= n; i += N) {
-        V acc = S::zero();
+        V acc = S::load(out + i);
         for (int64_t j = 0; j < n_rows; ++j) acc = S::fmadd(S::set1(p[j]), S::load(v + j * v_stride + i), acc);
         S::store(out + i, acc);
     }
     for (; i < n; ++i) {
-        float acc = 0.0f;
+        float acc = out[i];
         for (int64_t j = 0; j < n_rows; ++j) acc += p[j] * v[j * v_stride + i];
         out[i] = acc;
     }

@@ -33,7 +33,7 @@ struct KernelTable {
 
     GemvFn gemv[kNumWeightTypes];        // by dtype_index
     ConvertFn convert[kNumWeightTypes];  // by dtype_index
-    /// out[i] = sum_j p[j] * v[j * v_stride + i] for i < n, j < n_rows (attention's P.V); F32.
+    /// out[i] += sum_j p[j] * v[j * v_stride + i] for i < n, j < n_rows (attention's P.V); F32.
     void (*weighted_row_sum)(const float *p, const float *v, int64_t v_stride, int64_t n_rows, int64_t n,
                              float *out);
     /// y[t * ldy + r] = sum_k w[r * n + k] * x[t][k] for r < n_rows, t < n_tok: F32 weight rows times
