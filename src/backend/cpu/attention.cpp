@@ -39,8 +39,11 @@ void attention(const float *q, const float *k_cache, const float *v_cache, int64
 
 #pragma omp parallel num_threads(nth) if (nth > 1 && n_tasks > 1)
     {
-        std::vector<float> scores(size_t(heads_per_task * kKvBlock));  // [head of the run][block position]
-        std::vector<float> row_max(static_cast<size_t>(heads_per_task)), row_sum(static_cast<size_t>(heads_per_task));
+        // Per thread, kept between calls: [head of the run][block position], and per head of the run.
+        thread_local std::vector<float> scores, row_max, row_sum;
+        scores.resize(size_t(heads_per_task * kKvBlock));
+        row_max.resize(size_t(heads_per_task));
+        row_sum.resize(size_t(heads_per_task));
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < n_tasks; ++task) {
             const int64_t t = task / (n_head_kv * runs);

@@ -123,12 +123,16 @@ void matmul_batch(DType type, int64_t n_in, int64_t n_out, const MatmulJob *jobs
     }
     const int64_t gemv_chunk = std::max(kMinRowsPerItem, ceil_div(gemv_rows, 2 * int64_t(nth)));
     const int64_t gemm_work_per_item = ceil_div(gemm_work, int64_t(nth) * (n_gemm_jobs > 1 ? 4 : 1));
-    std::vector<WorkItem> items;
-    // GEMM jobs read their activations packed (pack_transposed); the buffer belongs to the calling
-    // thread and is kept between calls (the workers only read it).
+    // Work lists and the packed activations of GEMM jobs (pack_transposed) belong to the calling
+    // thread and keep their memory between calls (decode makes thousands of calls per token). The
+    // workers reach them through the plain pointers below, never by these thread_local names.
+    thread_local std::vector<WorkItem> items;
+    thread_local std::vector<PackItem> pack;
+    thread_local std::vector<int64_t> xt_offset;
     thread_local std::vector<float> xt_buf;
-    std::vector<int64_t> xt_offset(size_t(n_jobs), 0);
-    std::vector<PackItem> pack;
+    items.clear();
+    pack.clear();
+    xt_offset.assign(size_t(n_jobs), 0);
     size_t xt_size = 0;
     for (int64_t j = 0; j < n_jobs; ++j) {
         const int64_t nt = jobs[j].n_tok;
@@ -144,27 +148,30 @@ void matmul_batch(DType type, int64_t n_in, int64_t n_out, const MatmulJob *jobs
         }
     }
     if (xt_buf.size() < xt_size) xt_buf.resize(xt_size);
-    float *xt = xt_buf.data();
+    float *const xt = xt_buf.data();
+    const WorkItem *const item_list = items.data();
+    const PackItem *const pack_list = pack.data();
+    const int64_t *const xt_offsets = xt_offset.data();
 
     const auto n_items = int64_t(items.size()), n_pack = int64_t(pack.size());
 #pragma omp parallel num_threads(nth) if (nth > 1 && n_items > 1)
     {
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < n_pack; ++p) {
-            const PackItem &pk = pack[size_t(p)];
+            const PackItem &pk = pack_list[p];
             const MatmulJob &job = jobs[pk.job];
-            pack_transposed(job.x, n_in, job.n_tok, k.gemm_tokens, pk.k0, pk.k1, xt + xt_offset[size_t(pk.job)]);
+            pack_transposed(job.x, n_in, job.n_tok, k.gemm_tokens, pk.k0, pk.k1, xt + xt_offsets[pk.job]);
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < n_items; ++i) {
-            const WorkItem &it = items[size_t(i)];
+            const WorkItem &it = item_list[i];
             const MatmulJob &job = jobs[it.job];
             const auto *w = static_cast<const uint8_t *>(job.w);
             if (job.n_tok < min_gemm_tok) {
                 k.gemv[dtype_index(type)](w + size_t(it.r0) * row_bytes, row_bytes, it.r1 - it.r0, n_in, job.x,
                                           n_in, job.n_tok, job.y + it.r0, n_out);
             } else {
-                gemm_rows(k, type, w, row_bytes, n_in, n_out, it.r0, it.r1, job.x, xt + xt_offset[size_t(it.job)],
+                gemm_rows(k, type, w, row_bytes, n_in, n_out, it.r0, it.r1, job.x, xt + xt_offsets[it.job],
                           job.n_tok, job.y);
             }
         }
