@@ -127,6 +127,7 @@ void Context::moe_block(int64_t il, int64_t n) {
     const int64_t n_embd = hp.n_embd;
 
     cpu::rms_norm(x_.data(), l.ffn_norm, n, n_embd, hp.rms_eps, h_.data());
+    if (on_router_input) on_router_input(il, h_.data(), n);
     moe_route(hp, l, h_.data(), n, probs_.data(), routing_);
     if (routing_override) routing_override(il, routing_);
     if (on_routing) on_routing(il, routing_);

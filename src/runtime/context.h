@@ -40,6 +40,9 @@ class Context {
     std::function<void(int64_t layer, const Routing &)> on_routing;
     /// When set, may replace each layer's routing before the experts run (trace replay).
     std::function<void(int64_t layer, Routing &)> routing_override;
+    /// Called with each layer's router input x: [n_tok][n_embd] F32 (the ffn-norm output the gate reads),
+    /// before routing (hidden-state traces and predictors, docs/predictors.md).
+    std::function<void(int64_t layer, const float *x, int64_t n_tok)> on_router_input;
 
   private:
     void forward_batch(const int32_t *tokens, int64_t n, bool all_logits, float *logits_out);
