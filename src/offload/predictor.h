@@ -1,6 +1,7 @@
 // The prefetch hook: after a layer routes, a predictor scores experts of layers l+1..l+w (prefetch_window)
 // and the runtime hands the best to the hot-expert table and copy engine (ExpertLoader::prefetch).
-// Predictors (frequency, Fate-style, LLaPor) live behind this interface.
+// Predictors (frequency, Fate-style, LLaPor) live behind this interface; ScoringPredictor is the dense form
+// they share with evaluation (offload/predictor-*.h, docs/predictors.md).
 #pragma once
 
 #include <algorithm>
@@ -75,6 +76,42 @@ class NoPredictor final : public Predictor {
   public:
     const char *name() const override { return "none"; }
     void predict(const PredictorInput &, PrefetchList &) override {}
+};
+
+/// Shape of the model a predictor serves.
+struct PredictorShape {
+    int32_t n_layers = 0;   // MoE layers
+    int32_t n_experts = 0;  // routed experts per layer
+    int32_t top_k = 0;      // experts per token
+};
+
+/// A predictor that scores every expert of every predicted layer for every token (the dense form that
+/// evaluation reads, docs/predictors.md); predict() turns the scores into prefetch requests.
+class ScoringPredictor : public Predictor {
+  public:
+    /// max_tokens: the most tokens one call carries; max_window: the largest prefetch_window. Sizes the
+    /// scratch used by predict() once.
+    ScoringPredictor(PredictorShape shape, int32_t max_tokens, int32_t max_window);
+    const PredictorShape &shape() const { return shape_; }
+    /// True when score() reads PredictorInput::hidden (and fails without it).
+    virtual bool needs_hidden() const { return false; }
+    /// Writes scores[d-1][t][e] for d = 1..in.window, token t < in.n_tokens, expert e < n_experts: how likely
+    /// token t routes to expert e at layer in.layer + d (probability-like, in [0, 1]; only the order within
+    /// one (d, t) row matters to the metrics). Rows of layers past the last are left untouched. Must be called
+    /// once per layer in increasing layer order within a step (predictors with history update it here).
+    /// scores.size() >= in.window * in.n_tokens * n_experts.
+    virtual void score(const PredictorInput &in, std::span<float> scores) = 0;
+    /// Sums the scores over the tokens of each predicted layer and appends, per layer, the experts with the
+    /// highest sums (at most max(top_k, n_tokens * top_k) of them, never more than n_experts), score = sum.
+    void predict(const PredictorInput &in, PrefetchList &out) override;
+
+  protected:
+    PredictorShape shape_;
+
+  private:
+    std::vector<float> scratch_;   // [max_window][max_tokens][n_experts]
+    std::vector<int32_t> order_;   // [n_experts]
+    std::vector<float> sums_;      // [n_experts]
 };
 
 } // namespace prescope

@@ -1,4 +1,5 @@
-// prescope: command line entry point. Subcommands: generate, perplexity, inspect, bench.
+// prescope: command line entry point. Subcommands: generate, perplexity, inspect, bench, trace,
+// train-predictor, eval-predictor.
 // Bad input ends with one "error: ..." line on stderr and exit code 1.
 #include "cli.h"
 
@@ -14,6 +15,9 @@ int main(int argc, char **argv) {
     prescope::cli::register_perplexity(app);
     prescope::cli::register_inspect(app);
     prescope::cli::register_bench(app);
+    prescope::cli::register_trace(app);
+    prescope::cli::register_train_predictor(app);
+    prescope::cli::register_eval_predictor(app);
     try {
         app.parse(argc, argv);
     } catch (const CLI::ParseError &e) {

@@ -1,0 +1,448 @@
+// LLaPor-LSTM and LLaPor-MLP: networks (forward and backward), their ScoringPredictor wrappers and file I/O.
+#include "offload/predictor-llapor.h"
+
+#include "core/error.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+namespace prescope {
+
+// ---------------------------------------------------------------------------------------------------------
+// Config
+
+int32_t LlaporConfig::group_of(int32_t layer) const {
+    int32_t g = 0;
+    while (g + 1 < n_groups() && group_start[size_t(g + 1)] <= layer) ++g;
+    return g;
+}
+
+nlohmann::json LlaporConfig::to_json() const {
+    return {{"kind", kind}, {"n_layers", shape.n_layers}, {"n_experts", shape.n_experts}, {"top_k", shape.top_k},
+            {"window", window}, {"group_start", group_start}, {"hidden", hidden}, {"dim", dim},
+            {"pca_dim", pca_dim}, {"dropout", dropout}, {"notes", notes}};
+}
+
+LlaporConfig LlaporConfig::from_json(const nlohmann::json &j, const std::string &what) {
+    LlaporConfig c;
+    try {
+        c.kind = j.at("kind").get<std::string>();
+        c.shape = {j.at("n_layers").get<int32_t>(), j.at("n_experts").get<int32_t>(), j.at("top_k").get<int32_t>()};
+        c.window = j.at("window").get<int32_t>();
+        c.group_start = j.at("group_start").get<std::vector<int32_t>>();
+        c.hidden = j.at("hidden").get<int32_t>();
+        c.dim = j.at("dim").get<int64_t>();
+        c.pca_dim = j.at("pca_dim").get<int32_t>();
+        c.dropout = j.at("dropout").get<float>();
+        c.notes = j.value("notes", nlohmann::json::object());
+    } catch (const nlohmann::json::exception &e) {
+        fail("{}: predictor config is malformed ({})", what, e.what());
+    }
+    if (c.kind != "llapor-lstm" && c.kind != "llapor-mlp") {
+        fail("{}: predictor kind '{}', expected llapor-lstm or llapor-mlp", what, c.kind);
+    }
+    const bool ok_shape = c.shape.n_layers >= 2 && c.shape.n_experts >= 1 && c.shape.n_experts <= 256 &&
+                          c.shape.top_k >= 1 && c.shape.top_k <= c.shape.n_experts;
+    bool ok_groups = !c.group_start.empty() && c.group_start[0] == 0;
+    for (size_t i = 1; i < c.group_start.size(); ++i) {
+        ok_groups = ok_groups && c.group_start[i] > c.group_start[i - 1] && c.group_start[i] < c.shape.n_layers;
+    }
+    if (!ok_shape || !ok_groups || c.window < 1 || c.hidden < 1 ||
+        (c.kind == "llapor-mlp" && (c.dim < 1 || c.pca_dim < 1 || c.pca_dim > c.dim))) {
+        fail("{}: predictor config is inconsistent ({})", what, c.to_json().dump());
+    }
+    return c;
+}
+
+namespace {
+
+void check_shapes(const nn::ParamSet &want, const nn::ParamSet &have, const std::string &kind) {
+    if (want.size() != have.size()) fail("{} file has {} tensors, its config needs {}", kind, have.size(), want.size());
+    for (size_t i = 0; i < want.size(); ++i) {
+        if (want[i].name != have[i].name || want[i].shape != have[i].shape) {
+            fail("{} file: tensor {} is {} {}, its config needs {} {}", kind, i, have[i].name,
+                 nlohmann::json(have[i].shape).dump(), want[i].name, nlohmann::json(want[i].shape).dump());
+        }
+    }
+}
+
+void add_rows(const float *table, int64_t width, const int32_t *idx, int32_t nnz, float *dst) {
+    for (int32_t j = 0; j < nnz; ++j) {
+        const float *row = table + int64_t(idx[j]) * width;
+        for (int64_t c = 0; c < width; ++c) dst[c] += row[c];
+    }
+}
+
+void add_to_rows(float *table, int64_t width, const int32_t *idx, int32_t nnz, const float *src) {
+    for (int32_t j = 0; j < nnz; ++j) {
+        float *row = table + int64_t(idx[j]) * width;
+        for (int64_t c = 0; c < width; ++c) row[c] += src[c];
+    }
+}
+
+} // namespace
+
+// ---------------------------------------------------------------------------------------------------------
+// LSTM
+
+LlaporLstmNet::LlaporLstmNet(LlaporConfig cfg, uint64_t seed) : cfg_(std::move(cfg)) {
+    const int64_t H = cfg_.hidden, n_in = cfg_.lstm_inputs(), WE = int64_t(cfg_.window) * shape().n_experts;
+    const float s = 1.0f / std::sqrt(float(H));
+    for (int32_t g = 0; g < cfg_.n_groups(); ++g) {
+        const std::string p = "g" + std::to_string(g) + ".";
+        ps_.add(p + "wx", {n_in, 4 * H}, s, seed + 10 * uint64_t(g) + 1);
+        ps_.add(p + "wh", {4 * H, H}, s, seed + 10 * uint64_t(g) + 2);
+        const size_t b = ps_.add(p + "b", {4 * H}, 0.0f, 0);
+        std::fill(ps_[b].value.begin() + H, ps_[b].value.begin() + 2 * H, 1.0f);  // forget-gate bias 1
+        ps_.add(p + "wo", {WE, H}, s, seed + 10 * uint64_t(g) + 3);
+        ps_.add(p + "bo", {WE}, 0.0f, 0);
+        ps_.add(p + "ws", {n_in, WE}, 0.0f, 0);
+    }
+    bind();
+}
+
+LlaporLstmNet::LlaporLstmNet(LlaporConfig cfg, nn::ParamSet params) : LlaporLstmNet(std::move(cfg), 1) {
+    check_shapes(ps_, params, "llapor-lstm");
+    ps_ = std::move(params);
+    bind();
+}
+
+void LlaporLstmNet::bind() {
+    g_.clear();
+    for (int32_t g = 0; g < cfg_.n_groups(); ++g) {
+        const size_t i = size_t(g) * 6;
+        g_.push_back({i, i + 1, i + 2, i + 3, i + 4, i + 5});
+    }
+}
+
+int32_t LlaporLstmNet::features(int32_t layer, const int32_t *cur, const int32_t *prev, int32_t *idx) const {
+    const int32_t E = shape().n_experts, K = shape().top_k, L = shape().n_layers;
+    int32_t n = 0;
+    for (int32_t j = 0; j < K; ++j) idx[n++] = cur[j];
+    if (prev) {
+        for (int32_t d = 1; d <= cfg_.window && layer + d < L; ++d) {
+            for (int32_t j = 0; j < K; ++j) idx[n++] = d * E + prev[(layer + d) * K + j];
+        }
+    }
+    idx[n++] = (1 + cfg_.window) * E + layer;
+    return n;
+}
+
+void LlaporLstmNet::forward_step(int32_t layer, int64_t n, const int32_t *idx, const int32_t *nnz,
+                                 const float *h_prev, const float *c_prev, float *gates, float *c, float *h,
+                                 float *logits) const {
+    const Group &G = g_[size_t(cfg_.group_of(layer))];
+    const int64_t H = cfg_.hidden, H4 = 4 * H, WE = int64_t(cfg_.window) * shape().n_experts;
+    const int32_t mf = max_features();
+    nn::linear(h_prev, n, H, ps_[G.wh].value.data(), ps_[G.b].value.data(), H4, gates);
+    for (int64_t t = 0; t < n; ++t) {
+        float *a = gates + t * H4;
+        add_rows(ps_[G.wx].value.data(), H4, idx + t * mf, nnz[t], a);
+        for (int64_t u = 0; u < H; ++u) {
+            const float i = nn::sigmoid(a[u]), f = nn::sigmoid(a[H + u]), g = std::tanh(a[2 * H + u]),
+                        o = nn::sigmoid(a[3 * H + u]);
+            a[u] = i, a[H + u] = f, a[2 * H + u] = g, a[3 * H + u] = o;
+            const float ct = f * c_prev[t * H + u] + i * g;
+            c[t * H + u] = ct;
+            h[t * H + u] = o * std::tanh(ct);
+        }
+    }
+    nn::linear(h, n, H, ps_[G.wo].value.data(), ps_[G.bo].value.data(), WE, logits);
+    for (int64_t t = 0; t < n; ++t) add_rows(ps_[G.ws].value.data(), WE, idx + t * mf, nnz[t], logits + t * WE);
+}
+
+void LlaporLstmNet::backward_step(int32_t layer, int64_t n, const int32_t *idx, const int32_t *nnz,
+                                  const float *h_prev, const float *c_prev, const float *gates, const float *c,
+                                  const float *h, const float *dlogits, float *dh, float *dc, float *scratch) {
+    const Group &G = g_[size_t(cfg_.group_of(layer))];
+    const int64_t H = cfg_.hidden, H4 = 4 * H, WE = int64_t(cfg_.window) * shape().n_experts;
+    const int32_t mf = max_features();
+    // Head and skip: dh += dlogits . Wo.
+    nn::linear_backward(h, dlogits, n, H, ps_[G.wo].value.data(), WE, ps_[G.wo].grad.data(), ps_[G.bo].grad.data(),
+                        dh, /*accumulate_dx=*/true);
+    for (int64_t t = 0; t < n; ++t) add_to_rows(ps_[G.ws].grad.data(), WE, idx + t * mf, nnz[t], dlogits + t * WE);
+    // Cell: gate pre-activation gradients da, and dc -> dc_prev.
+    float *da = scratch;
+    for (int64_t t = 0; t < n; ++t) {
+        const float *a = gates + t * H4;
+        float *d = da + t * H4;
+        for (int64_t u = 0; u < H; ++u) {
+            const float i = a[u], f = a[H + u], g = a[2 * H + u], o = a[3 * H + u];
+            const float tc = std::tanh(c[t * H + u]), dht = dh[t * H + u];
+            const float dct = dht * o * (1.0f - tc * tc) + dc[t * H + u];
+            d[u] = dct * g * i * (1.0f - i);
+            d[H + u] = dct * c_prev[t * H + u] * f * (1.0f - f);
+            d[2 * H + u] = dct * i * (1.0f - g * g);
+            d[3 * H + u] = dht * tc * o * (1.0f - o);
+            dc[t * H + u] = dct * f;
+        }
+    }
+    nn::linear_backward(h_prev, da, n, H, ps_[G.wh].value.data(), H4, ps_[G.wh].grad.data(), ps_[G.b].grad.data(), dh);
+    for (int64_t t = 0; t < n; ++t) add_to_rows(ps_[G.wx].grad.data(), H4, idx + t * mf, nnz[t], da + t * H4);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// MLP
+
+LlaporMlpNet::LlaporMlpNet(LlaporConfig cfg, uint64_t seed) : cfg_(std::move(cfg)) {
+    const int64_t H = cfg_.hidden, P = cfg_.pca_dim, D = cfg_.dim, L = cfg_.shape.n_layers;
+    const int64_t WE = int64_t(cfg_.window) * cfg_.shape.n_experts;
+    ps_.add("pca.mean", {L, D}, 0.0f, 0);
+    const size_t proj = ps_.add("pca.proj", {L, P, D}, 0.0f, 0);
+    for (int64_t l = 0; l < L; ++l) {
+        for (int64_t i = 0; i < P; ++i) ps_[proj].value[size_t((l * P + i) * D + i)] = 1.0f;  // identity until fitted
+    }
+    for (int32_t g = 0; g < cfg_.n_groups(); ++g) {
+        const std::string p = "g" + std::to_string(g) + ".";
+        const uint64_t sd = seed + 16 * uint64_t(g);
+        ps_.add(p + "w1", {H, P}, 1.0f / std::sqrt(float(P)), sd + 1);
+        ps_.add(p + "b1", {H}, 0.0f, 0);
+        ps_.add(p + "wl", {L, H}, 0.0f, 0);
+        if (cfg_.deep(g)) {
+            ps_.add(p + "w2", {H, H}, 1.0f / std::sqrt(float(H)), sd + 2);
+            ps_.add(p + "b2", {H}, 0.0f, 0);
+            ps_.add(p + "w3", {H, H}, 1.0f / std::sqrt(float(H)), sd + 3);
+            ps_.add(p + "b3", {H}, 0.0f, 0);
+            ps_.add(p + "wg", {H, H}, 1.0f / std::sqrt(float(H)), sd + 4);
+            ps_.add(p + "bg", {H}, 0.0f, 0);
+        }
+        ps_.add(p + "wo", {WE, H}, 1.0f / std::sqrt(float(H)), sd + 5);
+        ps_.add(p + "bo", {WE}, 0.0f, 0);
+        ps_.add(p + "bl", {L, WE}, 0.0f, 0);
+    }
+    bind();
+}
+
+LlaporMlpNet::LlaporMlpNet(LlaporConfig cfg, nn::ParamSet params) : LlaporMlpNet(std::move(cfg), 1) {
+    check_shapes(ps_, params, "llapor-mlp");
+    ps_ = std::move(params);
+    bind();
+}
+
+void LlaporMlpNet::bind() {
+    g_.clear();
+    size_t i = 2;
+    for (int32_t g = 0; g < cfg_.n_groups(); ++g) {
+        Group G{};
+        G.first = i;
+        G.w1 = i++, G.b1 = i++, G.wl = i++;
+        if (cfg_.deep(g)) G.w2 = i++, G.b2 = i++, G.w3 = i++, G.b3 = i++, G.wg = i++, G.bg = i++;
+        G.wo = i++, G.bo = i++, G.bl = i++;
+        G.last = i;
+        g_.push_back(G);
+    }
+}
+
+std::pair<size_t, size_t> LlaporMlpNet::group_params(int32_t g) const {
+    return {g_[size_t(g)].first, g_[size_t(g)].last};
+}
+
+void LlaporMlpNet::forward(int32_t layer, int64_t n, const float *x, float *logits, Tape &tp,
+                           uint64_t drop_seed) const {
+    const int32_t gi = cfg_.group_of(layer);
+    const Group &G = g_[size_t(gi)];
+    const int64_t H = cfg_.hidden, P = cfg_.pca_dim, D = cfg_.dim, WE = int64_t(cfg_.window) * cfg_.shape.n_experts;
+    const auto sz = [&](std::vector<float> &v, int64_t w) {
+        if (v.size() < size_t(n * w)) v.resize(size_t(n * w));
+    };
+    sz(tp.xc, D), sz(tp.z, P), sz(tp.a1, H), sz(tp.u1, H), sz(tp.u, H);
+    const float *mean = ps_[mean_].value.data() + int64_t(layer) * D;
+    for (int64_t t = 0; t < n; ++t) {
+        for (int64_t c = 0; c < D; ++c) tp.xc[size_t(t * D + c)] = x[t * D + c] - mean[c];
+    }
+    nn::linear(tp.xc.data(), n, D, ps_[proj_].value.data() + int64_t(layer) * P * D, nullptr, P, tp.z.data());
+    nn::linear(tp.z.data(), n, P, ps_[G.w1].value.data(), ps_[G.b1].value.data(), H, tp.a1.data());
+    const float *wl = ps_[G.wl].value.data() + int64_t(layer) * H;
+    const bool drop = drop_seed != 0 && cfg_.dropout > 0.0f;
+    if (drop && tp.mask1.size() < size_t(n * H)) tp.mask1.resize(size_t(n * H));
+    uint64_t s = drop_seed * 0x9E3779B97F4A7C15ull + 1;
+    const float keep_scale = drop ? 1.0f / (1.0f - cfg_.dropout) : 1.0f;
+    for (int64_t t = 0; t < n; ++t) {
+        for (int64_t u = 0; u < H; ++u) {
+            float &a = tp.a1[size_t(t * H + u)];
+            a += wl[u];
+            float v = nn::gelu(a);
+            if (drop) {
+                s ^= s << 13, s ^= s >> 7, s ^= s << 17;
+                const bool keep = float(double(s >> 11) / double(1ull << 53)) >= cfg_.dropout;
+                tp.mask1[size_t(t * H + u)] = keep;
+                v = keep ? v * keep_scale : 0.0f;
+            }
+            tp.u1[size_t(t * H + u)] = v;
+        }
+    }
+    if (cfg_.deep(gi)) {
+        sz(tp.a2, H), sz(tp.v, H), sz(tp.s, H), sz(tp.r, H);
+        nn::linear(tp.u1.data(), n, H, ps_[G.w2].value.data(), ps_[G.b2].value.data(), H, tp.a2.data());
+        for (int64_t i = 0; i < n * H; ++i) tp.v[size_t(i)] = nn::gelu(tp.a2[size_t(i)]);
+        nn::linear(tp.u1.data(), n, H, ps_[G.wg].value.data(), ps_[G.bg].value.data(), H, tp.s.data());
+        for (int64_t i = 0; i < n * H; ++i) tp.s[size_t(i)] = nn::sigmoid(tp.s[size_t(i)]);
+        nn::linear(tp.v.data(), n, H, ps_[G.w3].value.data(), ps_[G.b3].value.data(), H, tp.r.data());
+        for (int64_t i = 0; i < n * H; ++i) tp.u[size_t(i)] = tp.u1[size_t(i)] + tp.s[size_t(i)] * tp.r[size_t(i)];
+    } else {
+        std::copy_n(tp.u1.begin(), n * H, tp.u.begin());
+    }
+    nn::linear(tp.u.data(), n, H, ps_[G.wo].value.data(), ps_[G.bo].value.data(), WE, logits);
+    const float *bl = ps_[G.bl].value.data() + int64_t(layer) * WE;
+    for (int64_t t = 0; t < n; ++t) {
+        for (int64_t o = 0; o < WE; ++o) logits[t * WE + o] += bl[o];
+    }
+}
+
+void LlaporMlpNet::backward(int32_t layer, int64_t n, const Tape &tp, const float *dlogits,
+                            std::vector<float> &scratch) {
+    const int32_t gi = cfg_.group_of(layer);
+    const Group &G = g_[size_t(gi)];
+    const int64_t H = cfg_.hidden, P = cfg_.pca_dim, WE = int64_t(cfg_.window) * cfg_.shape.n_experts;
+    if (scratch.size() < size_t(6 * n * H)) scratch.resize(size_t(6 * n * H));
+    float *du = scratch.data(), *du1 = du + n * H, *dr = du1 + n * H, *dv = dr + n * H, *ds = dv + n * H,
+          *da1 = ds + n * H;
+    nn::linear_backward(tp.u.data(), dlogits, n, H, ps_[G.wo].value.data(), WE, ps_[G.wo].grad.data(),
+                        ps_[G.bo].grad.data(), du);
+    float *dbl = ps_[G.bl].grad.data() + int64_t(layer) * WE;
+    for (int64_t t = 0; t < n; ++t) {
+        for (int64_t o = 0; o < WE; ++o) dbl[o] += dlogits[t * WE + o];
+    }
+    if (cfg_.deep(gi)) {
+        for (int64_t i = 0; i < n * H; ++i) {
+            dr[i] = du[i] * tp.s[size_t(i)];
+            const float sg = tp.s[size_t(i)];
+            ds[i] = du[i] * tp.r[size_t(i)] * sg * (1.0f - sg);
+        }
+        nn::linear_backward(tp.v.data(), dr, n, H, ps_[G.w3].value.data(), H, ps_[G.w3].grad.data(),
+                            ps_[G.b3].grad.data(), dv);
+        for (int64_t i = 0; i < n * H; ++i) dv[i] *= nn::gelu_grad(tp.a2[size_t(i)]);
+        std::copy_n(du, n * H, du1);  // residual path
+        nn::linear_backward(tp.u1.data(), dv, n, H, ps_[G.w2].value.data(), H, ps_[G.w2].grad.data(),
+                            ps_[G.b2].grad.data(), du1, true);
+        nn::linear_backward(tp.u1.data(), ds, n, H, ps_[G.wg].value.data(), H, ps_[G.wg].grad.data(),
+                            ps_[G.bg].grad.data(), du1, true);
+    } else {
+        std::copy_n(du, n * H, du1);
+    }
+    const bool drop = !tp.mask1.empty() && cfg_.dropout > 0.0f;
+    const float keep_scale = drop ? 1.0f / (1.0f - cfg_.dropout) : 1.0f;
+    float *dwl = ps_[G.wl].grad.data() + int64_t(layer) * H;
+    for (int64_t t = 0; t < n; ++t) {
+        for (int64_t u = 0; u < H; ++u) {
+            const size_t i = size_t(t * H + u);
+            float g = du1[i] * nn::gelu_grad(tp.a1[i]);
+            if (drop) g = tp.mask1[i] ? g * keep_scale : 0.0f;
+            da1[i] = g;
+            dwl[u] += g;
+        }
+    }
+    nn::linear_backward(tp.z.data(), da1, n, P, ps_[G.w1].value.data(), H, ps_[G.w1].grad.data(),
+                        ps_[G.b1].grad.data(), nullptr);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Predictors
+
+void logits_to_scores(const float *logits, int32_t layer, int32_t n_layers, int32_t window, int32_t n_experts,
+                      int32_t n_tokens, int32_t token, int32_t window_asked, std::span<float> scores) {
+    for (int32_t d = 1; d <= window_asked && layer + d < n_layers; ++d) {
+        float *row = scores.data() + (size_t(d - 1) * size_t(n_tokens) + size_t(token)) * size_t(n_experts);
+        if (d > window) {
+            std::fill(row, row + n_experts, 0.0f);
+            continue;
+        }
+        const float *z = logits + size_t(d - 1) * size_t(n_experts);
+        const float mx = *std::max_element(z, z + n_experts);
+        float sum = 0.0f;
+        for (int32_t e = 0; e < n_experts; ++e) sum += row[e] = std::exp(z[e] - mx);
+        for (int32_t e = 0; e < n_experts; ++e) row[e] /= sum;
+    }
+}
+
+LlaporLstmPredictor::LlaporLstmPredictor(std::shared_ptr<const LlaporLstmNet> net, int32_t max_tokens)
+    : ScoringPredictor(net->config().shape, max_tokens, std::max(net->config().window, 8)), net_(std::move(net)),
+      max_tokens_(max_tokens) {
+    const LlaporConfig &c = net_->config();
+    const size_t H = size_t(c.hidden), n = size_t(max_tokens);
+    h_.assign(2 * n * H, 0.0f);
+    c_.assign(2 * n * H, 0.0f);
+    gates_.resize(n * 4 * H);
+    logits_.resize(n * size_t(c.window) * size_t(c.shape.n_experts));
+    idx_.resize(n * size_t(net_->max_features()));
+    nnz_.resize(n);
+    prev_.assign(size_t(c.shape.n_layers) * size_t(c.shape.top_k), 0);
+}
+
+void LlaporLstmPredictor::reset() {
+    has_prev_ = false;
+    std::fill(h_.begin(), h_.end(), 0.0f);
+    std::fill(c_.begin(), c_.end(), 0.0f);
+}
+
+void LlaporLstmPredictor::score(const PredictorInput &in, std::span<float> scores) {
+    const LlaporConfig &c = net_->config();
+    if (in.n_tokens > max_tokens_) fail("llapor-lstm: {} tokens in one call, built for {}", in.n_tokens, max_tokens_);
+    if (in.top_k != c.shape.top_k) fail("llapor-lstm: top_k {} but the predictor was trained for {}", in.top_k, c.shape.top_k);
+    const size_t H = size_t(c.hidden), n = size_t(in.n_tokens), half = size_t(max_tokens_) * H;
+    // Double buffers: state of layer l-1 in one half, layer l written to the other.
+    float *hp = h_.data() + (in.layer % 2) * half, *cp = c_.data() + (in.layer % 2) * half;
+    float *hn = h_.data() + ((in.layer + 1) % 2) * half, *cn = c_.data() + ((in.layer + 1) % 2) * half;
+    if (in.layer == 0) {
+        std::fill(hp, hp + n * H, 0.0f);
+        std::fill(cp, cp + n * H, 0.0f);
+    }
+    const int32_t mf = net_->max_features(), K = c.shape.top_k;
+    // The previous step's routing exists for every layer once a whole step has been seen.
+    const int32_t *prev = has_prev_ ? prev_.data() : nullptr;
+    for (size_t t = 0; t < n; ++t) {
+        nnz_[t] = net_->features(in.layer, in.routed.data() + t * size_t(K), prev, idx_.data() + t * size_t(mf));
+    }
+    net_->forward_step(in.layer, int64_t(n), idx_.data(), nnz_.data(), hp, cp, gates_.data(), cn, hn, logits_.data());
+    const size_t WE = size_t(c.window) * size_t(c.shape.n_experts);
+    for (size_t t = 0; t < n; ++t) {
+        logits_to_scores(logits_.data() + t * WE, in.layer, c.shape.n_layers, c.window, c.shape.n_experts,
+                         in.n_tokens, int32_t(t), in.window, scores);
+    }
+    std::copy_n(in.routed.data() + (n - 1) * size_t(K), K, prev_.begin() + size_t(in.layer) * size_t(K));
+    if (in.layer == c.shape.n_layers - 1) has_prev_ = true;
+}
+
+LlaporMlpPredictor::LlaporMlpPredictor(std::shared_ptr<const LlaporMlpNet> net, int32_t max_tokens)
+    : ScoringPredictor(net->config().shape, max_tokens, std::max(net->config().window, 8)), net_(std::move(net)),
+      max_tokens_(max_tokens) {
+    const LlaporConfig &c = net_->config();
+    logits_.resize(size_t(max_tokens) * size_t(c.window) * size_t(c.shape.n_experts));
+    std::vector<float> x(size_t(max_tokens) * size_t(c.dim), 0.0f);
+    net_->forward(0, max_tokens, x.data(), logits_.data(), tape_);  // sizes the tape once
+}
+
+void LlaporMlpPredictor::score(const PredictorInput &in, std::span<float> scores) {
+    const LlaporConfig &c = net_->config();
+    if (!in.hidden) fail("the llapor-mlp predictor needs the router input (hidden state) of each layer");
+    if (in.n_embd != c.dim) fail("llapor-mlp: hidden state has {} values, the predictor expects {}", in.n_embd, c.dim);
+    if (in.n_tokens > max_tokens_) fail("llapor-mlp: {} tokens in one call, built for {}", in.n_tokens, max_tokens_);
+    net_->forward(in.layer, in.n_tokens, in.hidden, logits_.data(), tape_);
+    const size_t WE = size_t(c.window) * size_t(c.shape.n_experts);
+    for (int32_t t = 0; t < in.n_tokens; ++t) {
+        logits_to_scores(logits_.data() + size_t(t) * WE, in.layer, c.shape.n_layers, c.window, c.shape.n_experts,
+                         in.n_tokens, t, in.window, scores);
+    }
+}
+
+void save_llapor(const std::string &path, const LlaporConfig &cfg, const nn::ParamSet &ps) {
+    nn::save_params(path, cfg.to_json(), ps);
+}
+
+std::unique_ptr<ScoringPredictor> load_llapor(const std::string &path, int32_t max_tokens, LlaporConfig *cfg_out) {
+    nlohmann::json j;
+    nn::ParamSet ps = nn::load_params(path, &j);
+    LlaporConfig cfg = LlaporConfig::from_json(j, path);
+    if (cfg_out) *cfg_out = cfg;
+    try {
+        if (cfg.kind == "llapor-lstm") {
+            return std::make_unique<LlaporLstmPredictor>(std::make_shared<LlaporLstmNet>(cfg, std::move(ps)), max_tokens);
+        }
+        return std::make_unique<LlaporMlpPredictor>(std::make_shared<LlaporMlpNet>(cfg, std::move(ps)), max_tokens);
+    } catch (const Error &e) {
+        fail("{}: {}", path, e.what());
+    }
+}
+
+} // namespace prescope
