@@ -97,8 +97,8 @@ LlaporLstmNet::LlaporLstmNet(LlaporConfig cfg, uint64_t seed) : cfg_(std::move(c
         std::fill(ps_[b].value.begin() + H, ps_[b].value.begin() + 2 * H, 1.0f);  // forget-gate bias 1
         ps_.add(p + "wo", {WE, H}, s, seed + 10 * uint64_t(g) + 3);
         ps_.add(p + "bo", {WE}, 0.0f, 0);
-        ps_.add(p + "ws", {n_in, WE}, 0.0f, 0);
     }
+    ps_.add("ws", {cfg_.skip_inputs(), WE}, 0.0f, 0);
     bind();
 }
 
@@ -111,9 +111,17 @@ LlaporLstmNet::LlaporLstmNet(LlaporConfig cfg, nn::ParamSet params) : LlaporLstm
 void LlaporLstmNet::bind() {
     g_.clear();
     for (int32_t g = 0; g < cfg_.n_groups(); ++g) {
-        const size_t i = size_t(g) * 6;
-        g_.push_back({i, i + 1, i + 2, i + 3, i + 4, i + 5});
+        const size_t i = size_t(g) * 5;
+        g_.push_back({i, i + 1, i + 2, i + 3, i + 4});
     }
+    ws_ = size_t(cfg_.n_groups()) * 5;
+}
+
+int32_t LlaporLstmNet::skip_row(int32_t layer, int32_t j, int32_t idx) const {
+    const int32_t E = shape().n_experts, L = shape().n_layers;
+    // The layer's own experts get rows of their own (co-occurrence differs per layer); the previous token's
+    // experts and the layer one-hot map to the rows after them.
+    return j < shape().top_k ? layer * E + idx : idx + L * E - E;
 }
 
 int32_t LlaporLstmNet::features(int32_t layer, const int32_t *cur, const int32_t *prev, int32_t *idx) const {
@@ -149,7 +157,14 @@ void LlaporLstmNet::forward_step(int32_t layer, int64_t n, const int32_t *idx, c
         }
     }
     nn::linear(h, n, H, ps_[G.wo].value.data(), ps_[G.bo].value.data(), WE, logits);
-    for (int64_t t = 0; t < n; ++t) add_rows(ps_[G.ws].value.data(), WE, idx + t * mf, nnz[t], logits + t * WE);
+    const float *ws = ps_[ws_].value.data();
+    for (int64_t t = 0; t < n; ++t) {
+        for (int32_t j = 0; j < nnz[t]; ++j) {
+            const float *row = ws + int64_t(skip_row(layer, j, idx[t * mf + j])) * WE;
+            float *z = logits + t * WE;
+            for (int64_t o = 0; o < WE; ++o) z[o] += row[o];
+        }
+    }
 }
 
 void LlaporLstmNet::backward_step(int32_t layer, int64_t n, const int32_t *idx, const int32_t *nnz,
@@ -161,7 +176,14 @@ void LlaporLstmNet::backward_step(int32_t layer, int64_t n, const int32_t *idx, 
     // Head and skip: dh += dlogits . Wo.
     nn::linear_backward(h, dlogits, n, H, ps_[G.wo].value.data(), WE, ps_[G.wo].grad.data(), ps_[G.bo].grad.data(),
                         dh, /*accumulate_dx=*/true);
-    for (int64_t t = 0; t < n; ++t) add_to_rows(ps_[G.ws].grad.data(), WE, idx + t * mf, nnz[t], dlogits + t * WE);
+    float *dws = ps_[ws_].grad.data();
+    for (int64_t t = 0; t < n; ++t) {
+        for (int32_t j = 0; j < nnz[t]; ++j) {
+            float *row = dws + int64_t(skip_row(layer, j, idx[t * mf + j])) * WE;
+            const float *dz = dlogits + t * WE;
+            for (int64_t o = 0; o < WE; ++o) row[o] += dz[o];
+        }
+    }
     // Cell: gate pre-activation gradients da, and dc -> dc_prev.
     float *da = scratch;
     for (int64_t t = 0; t < n; ++t) {

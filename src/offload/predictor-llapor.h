@@ -33,6 +33,8 @@ struct LlaporConfig {
     /// LSTM: sparse input features per (token, layer): the layer's k experts, the previous token's experts at
     /// layers l+1..l+window, and the layer's one-hot.
     int64_t lstm_inputs() const { return int64_t(shape.n_experts) * (1 + window) + shape.n_layers; }
+    /// LSTM: rows of the skip map: the layer's experts per layer, then the previous token's and the one-hot.
+    int64_t skip_inputs() const { return lstm_inputs() + int64_t(shape.n_layers - 1) * shape.n_experts; }
     nlohmann::json to_json() const;
     /// Throws prescope::Error (naming `what`) on missing or inconsistent fields.
     static LlaporConfig from_json(const nlohmann::json &j, const std::string &what);
@@ -40,9 +42,10 @@ struct LlaporConfig {
 
 /// LLaPor-LSTM: for each token, an LSTM steps through the layers; at layer l it reads the sparse features
 /// above, and its state h_l plus a sparse linear skip from the same features give logits for the experts of
-/// layers l+1..l+window. Group g's cell, head and skip weights serve the layers of group g. Parameter names per
-/// group: g{g}.wx [n_in][4H] (gate order i, f, g, o), g{g}.wh [4H][H], g{g}.b [4H], g{g}.wo [wE][H],
-/// g{g}.bo [wE], g{g}.ws [n_in][wE].
+/// layers l+1..l+window. Group g's cell and head weights serve the layers of group g; the skip has per-layer rows
+/// for the layer's own experts (first-order co-occurrence differs per layer). Parameters per group:
+/// g{g}.wx [n_in][4H] (gate order i, f, g, o), g{g}.wh [4H][H], g{g}.b [4H], g{g}.wo [wE][H], g{g}.bo [wE];
+/// then ws [skip_inputs()][wE].
 class LlaporLstmNet {
   public:
     LlaporLstmNet(LlaporConfig cfg, uint64_t seed);      // random initialisation
@@ -67,10 +70,13 @@ class LlaporLstmNet {
   private:
     const PredictorShape &shape() const { return cfg_.shape; }
     void bind();
+    // Row of the skip map for feature j (index idx) of a token at `layer`.
+    int32_t skip_row(int32_t layer, int32_t j, int32_t idx) const;
     LlaporConfig cfg_;
     nn::ParamSet ps_;
-    struct Group { size_t wx, wh, b, wo, bo, ws; };
+    struct Group { size_t wx, wh, b, wo, bo; };
     std::vector<Group> g_;
+    size_t ws_ = 0;
 };
 
 /// LLaPor-MLP: the router input x of layer l is centred and projected on the layer's leading principal

@@ -16,6 +16,8 @@
 #include <filesystem>
 #include <fstream>
 
+extern "C" void openblas_set_num_threads(int num_threads);
+
 namespace prescope::cli {
 
 namespace {
@@ -88,6 +90,7 @@ void register_train_predictor(CLI::App &app) {
     cmd->callback([a]() {
         log_init(std::max(a->verbosity, 1));
         cpu::set_threads(a->threads);
+        openblas_set_num_threads(cpu::get_threads());  // training is all BLAS: let OpenBLAS use every thread
         Loaded d = load_split(a->split);
         TrainResult r = train_llapor(d.part, d.hidden.get(), a->opt,
                                      [](const std::string &line) { std::fprintf(stderr, "train: %s\n", line.c_str()); });

@@ -1,0 +1,496 @@
+// Expert predictors: metrics on hand-made traces with known answers, the cache replay, gradient checks of the
+// LLaPor networks, learning planted structure better than frequency, save/load, Fate against the real router,
+// and the layer-group measurement.
+#include "arch/arch.h"
+#include "core/error.h"
+#include "offload/predictor-baselines.h"
+#include "offload/predictor-eval.h"
+#include "offload/predictor-llapor.h"
+#include "offload/predictor-train.h"
+#include "offload/trace.h"
+#include "runtime/context.h"
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <numeric>
+#include <random>
+#include <unistd.h>
+
+using namespace prescope;
+namespace fs = std::filesystem;
+
+namespace {
+
+fs::path tmp_file(const std::string &name) {
+    fs::path d = fs::temp_directory_path() / ("prescope-test-predictor-" + std::to_string(::getpid()));
+    fs::create_directories(d);
+    return d / name;
+}
+
+RoutingTrace empty_trace(int32_t L, int32_t E, int32_t K) {
+    RoutingTrace t;
+    t.model = "synthetic", t.arch = "qwen3moe", t.created_by = "test-predictor";
+    t.n_layer = L, t.n_expert = E, t.top_k = K;
+    return t;
+}
+
+void add_token(RoutingTrace &t, const std::vector<std::vector<int32_t>> &per_layer) {
+    std::vector<int32_t> ids;
+    for (const auto &l : per_layer) ids.insert(ids.end(), l.begin(), l.end());
+    t.append_token(0, ids, std::vector<float>(ids.size(), 0.5f));
+    t.sequences.back().n_tokens += 1;
+}
+
+// Scores every layer's experts with the same fixed vector.
+class ConstantPredictor final : public ScoringPredictor {
+  public:
+    ConstantPredictor(PredictorShape s, std::vector<float> v) : ScoringPredictor(s, 4, 4), v_(std::move(v)) {}
+    const char *name() const override { return "constant"; }
+    void score(const PredictorInput &in, std::span<float> out) override {
+        for (int32_t d = 1; d <= in.window && in.layer + d < shape_.n_layers; ++d) {
+            for (int32_t t = 0; t < in.n_tokens; ++t) {
+                std::copy(v_.begin(), v_.end(), out.begin() + (size_t(d - 1) * size_t(in.n_tokens) + size_t(t)) * v_.size());
+            }
+        }
+    }
+
+  private:
+    std::vector<float> v_;
+};
+
+// L=3, E=4, K=2, one sequence of two tokens (the answers below are worked out by hand from it).
+RoutingTrace hand_trace() {
+    RoutingTrace t = empty_trace(3, 4, 2);
+    t.sequences.push_back({"hand", "test", 0});
+    add_token(t, {{0, 1}, {1, 2}, {2, 3}});
+    add_token(t, {{0, 2}, {0, 1}, {1, 3}});
+    return t;
+}
+
+const nlohmann::json &row(const nlohmann::json &j, int d, const std::string &group) {
+    for (const auto &r : j["rows"]) {
+        if (r["distance"] == d && r["layer_group"] == group) return r;
+    }
+    static const nlohmann::json none;
+    ADD_FAILURE() << "no row for distance " << d << " group " << group;
+    return none;
+}
+
+} // namespace
+
+TEST(PredictorEval, HandMadeTraceKnownAnswers) {
+    const RoutingTrace t = hand_trace();
+    ConstantPredictor p({3, 4, 2}, {0.9f, 0.8f, 0.1f, 0.0f});  // predicts {0, 1}; with k = 3 {0, 1, 2}
+    EvalOptions o;
+    o.window = 2;
+    o.group_start = {0, 1, 2};
+    nlohmann::json j = evaluate_predictor(&p, t, nullptr, o, "hand").to_json();
+    // d=1: token 0: layer 1 {1,2} 1 hit, layer 2 {2,3} 0 hits; token 1: layer 1 {0,1} 2 hits, layer 2 {1,3} 1 hit.
+    EXPECT_DOUBLE_EQ(row(j, 1, "all")["recall_at_k"], (0.5 + 0.0 + 1.0 + 0.5) / 4);
+    EXPECT_DOUBLE_EQ(row(j, 1, "all")["precision_at_k"], (0.5 + 0.0 + 1.0 + 0.5) / 4);
+    EXPECT_DOUBLE_EQ(row(j, 1, "all")["exact_match"], 0.25);
+    EXPECT_DOUBLE_EQ(row(j, 1, "middle")["recall_at_k"], 0.75);
+    EXPECT_DOUBLE_EQ(row(j, 1, "output")["recall_at_k"], 0.25);
+    EXPECT_DOUBLE_EQ(row(j, 2, "all")["recall_at_k"], 0.25);  // layer 0 -> 2: 0 and 1 hit
+    EXPECT_EQ(row(j, 2, "all")["n"], 2);
+    for (const auto &r : j["rows"]) EXPECT_NE(r["layer_group"], "input");  // layer 0 is never predicted
+
+    o.k_pred = 3;  // {0, 1, 2}: recall and precision part
+    j = evaluate_predictor(&p, t, nullptr, o, "hand").to_json();
+    EXPECT_DOUBLE_EQ(row(j, 1, "all")["recall_at_k"], (1.0 + 0.5 + 1.0 + 0.5) / 4);
+    EXPECT_DOUBLE_EQ(row(j, 1, "all")["precision_at_k"], (2.0 + 1.0 + 2.0 + 1.0) / 3 / 4);
+    EXPECT_DOUBLE_EQ(row(j, 1, "all")["exact_match"], 0.0);
+}
+
+TEST(PredictorEval, OracleIsPerfectAndNoneIsEmpty) {
+    const RoutingTrace t = hand_trace();
+    OraclePredictor oracle(t);
+    EvalOptions o;
+    o.window = 2;
+    const EvalResult r = evaluate_predictor(&oracle, t, nullptr, o, "hand");
+    for (int d = 1; d <= 2; ++d) {
+        const EvalCell c = r.sum(d, d, 3);
+        EXPECT_EQ(c.recall, double(c.n));
+        EXPECT_EQ(c.exact, c.n);
+    }
+    const EvalResult n = evaluate_predictor(nullptr, t, nullptr, o, "hand");
+    EXPECT_EQ(n.sum(1, 1, 3).recall, 0.0);
+    EXPECT_EQ(n.sum(1, 1, 3).n_nonempty, 0);
+}
+
+TEST(PredictorEval, CacheReplayHitRates) {
+    const RoutingTrace t = hand_trace();
+    EvalOptions o;
+    o.window = 2;
+    o.cache_slots = 4;  // every expert fits: only first uses miss
+    // Unique experts per layer: {0,1,2}, {0,1,2}, {1,2,3}: 9 misses of 12 accesses.
+    EXPECT_DOUBLE_EQ(evaluate_predictor(nullptr, t, nullptr, o, "hand").hit_rate, 3.0 / 12);
+    // The oracle prefetches every later layer before it routes; only layer 0's 3 first uses miss.
+    OraclePredictor oracle(t);
+    const EvalResult r = evaluate_predictor(&oracle, t, nullptr, o, "hand");
+    EXPECT_DOUBLE_EQ(r.hit_rate, 9.0 / 12);
+    EXPECT_EQ(r.demand_misses, 3u);
+}
+
+TEST(PredictorEval, FrequencyLearnsPopularityOnline) {
+    RoutingTrace t = empty_trace(2, 4, 1);
+    t.sequences.push_back({"s", "test", 0});
+    for (int i = 0; i < 5; ++i) add_token(t, {{0}, {i < 3 ? 2 : 3}});  // layer 1: expert 2 three times, then 3
+    FrequencyPredictor f({2, 4, 1}, 1.0);
+    EvalOptions o;
+    o.window = 1;
+    const EvalResult r = evaluate_predictor(&f, t, nullptr, o, "f");
+    // Token 0: no counts yet (no prediction); tokens 1, 2: predict 2 (right); 3: 2 (wrong); 4: 2 (3:1, wrong).
+    EXPECT_DOUBLE_EQ(r.sum(1, 1, 2).recall, 2.0);
+    EXPECT_EQ(r.sum(1, 1, 2).n_nonempty, 4);
+    FrequencyPredictor rec({2, 4, 1}, 0.1);  // recency: the last expert dominates at once
+    const EvalResult rr = evaluate_predictor(&rec, t, nullptr, o, "r");
+    EXPECT_DOUBLE_EQ(rr.sum(1, 1, 2).recall, 3.0);  // tokens 1, 2 and 4
+}
+
+TEST(Predictor, PredictSumsScoresOverTokens) {
+    ConstantPredictor p({3, 4, 1}, {0.1f, 0.0f, 0.7f, 0.2f});
+    const std::vector<int32_t> routed{0, 1};
+    PrefetchList list(16);
+    p.predict({0, 3, 2, routed, 2, 1, nullptr, 0}, list);
+    // 2 tokens x top-1 = 2 per layer: experts 2 (1.4) and 3 (0.4) of layers 1 and 2.
+    ASSERT_EQ(list.size(), 4u);
+    EXPECT_EQ(list.items()[0].layer, 1);
+    EXPECT_EQ(list.items()[0].expert, 2);
+    EXPECT_FLOAT_EQ(list.items()[0].score, 1.4f);
+    EXPECT_EQ(list.items()[1].expert, 3);
+    EXPECT_EQ(list.items()[3].layer, 2);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Gradient checks
+
+namespace {
+
+RoutingTrace random_trace(int32_t L, int32_t E, int32_t K, int n_seq, int len, uint32_t seed) {
+    RoutingTrace t = empty_trace(L, E, K);
+    std::mt19937 rng(seed);
+    for (int s = 0; s < n_seq; ++s) {
+        t.sequences.push_back({"s" + std::to_string(s), "test", 0});
+        for (int i = 0; i < len; ++i) {
+            std::vector<std::vector<int32_t>> layers;
+            for (int32_t l = 0; l < L; ++l) {
+                std::vector<int32_t> perm(static_cast<size_t>(E));
+                std::iota(perm.begin(), perm.end(), 0);
+                std::shuffle(perm.begin(), perm.end(), rng);
+                layers.emplace_back(perm.begin(), perm.begin() + K);
+            }
+            add_token(t, layers);
+        }
+    }
+    return t;
+}
+
+// Compares analytic gradients with central differences on a few entries of every tensor.
+template <typename LossFn>
+void check_gradients(nn::ParamSet &ps, LossFn loss, size_t first_param = 0) {
+    ps.zero_grad();
+    loss(true);
+    std::mt19937 rng(7);
+    int checked = 0;
+    for (size_t i = first_param; i < ps.size(); ++i) {
+        nn::Param &p = ps[i];
+        for (int k = 0; k < 4; ++k) {
+            const size_t j = rng() % p.value.size();
+            const float v = p.value[j], eps = 1e-2f;
+            p.value[j] = v + eps;
+            const double up = loss(false);
+            p.value[j] = v - eps;
+            const double down = loss(false);
+            p.value[j] = v;
+            const double num = (up - down) / (2 * eps), ana = p.grad[j];
+            EXPECT_NEAR(ana, num, 2e-4 + 3e-2 * std::max(std::fabs(ana), std::fabs(num)))
+                << p.name << "[" << j << "]";
+            ++checked;
+        }
+    }
+    EXPECT_GT(checked, 0);
+}
+
+} // namespace
+
+TEST(LlaporNn, LstmGradientsMatchFiniteDifferences) {
+    const RoutingTrace t = random_trace(5, 6, 2, 2, 3, 11);
+    LlaporConfig c;
+    c.kind = "llapor-lstm";
+    c.shape = {5, 6, 2};
+    c.window = 2;
+    c.group_start = {0, 1, 3};
+    c.hidden = 4;
+    LlaporLstmNet net(c, 3);
+    std::mt19937 rng(1);
+    std::uniform_real_distribution<float> u(-0.5f, 0.5f);
+    for (size_t i = 0; i < net.params().size(); ++i) {
+        for (auto &v : net.params()[i].value) v = u(rng);  // also the skip weights, zero at initialisation
+    }
+    std::vector<int64_t> tokens{0, 1, 2, 3, 4, 5};
+    std::vector<uint8_t> has_prev{0, 1, 1, 0, 1, 1};
+    check_gradients(net.params(), [&](bool grad) { return lstm_loss(net, t, tokens, has_prev, grad); });
+}
+
+TEST(LlaporNn, MlpGradientsMatchFiniteDifferences) {
+    const RoutingTrace t = random_trace(4, 6, 2, 1, 5, 12);
+    LlaporConfig c;
+    c.kind = "llapor-mlp";
+    c.shape = {4, 6, 2};
+    c.window = 2;
+    c.group_start = {0, 1, 3};  // group 1 (layers 1-2) is deep: gated residual block
+    c.hidden = 5;
+    c.dim = 6;
+    c.pca_dim = 4;
+    c.dropout = 0.25f;
+    LlaporMlpNet net(c, 4);
+    std::mt19937 rng(2);
+    std::uniform_real_distribution<float> u(-0.6f, 0.6f);
+    for (size_t i = 0; i < net.params().size(); ++i) {
+        for (auto &v : net.params()[i].value) v = u(rng);
+    }
+    std::vector<float> x(5 * 6);
+    for (auto &v : x) v = u(rng) * 3;
+    for (int32_t layer : {0, 1}) {
+        // The dropout mask depends only on the seed, so a fixed seed makes the loss a deterministic function.
+        auto loss = [&](bool grad) {
+            LlaporMlpNet::Tape tape;
+            std::vector<float> logits(5 * 12), scratch;
+            net.forward(layer, 5, x.data(), logits.data(), tape, /*drop_seed=*/99);
+            double l = 0;
+            for (int i = 0; i < 5; ++i) {
+                for (int d = 1; d <= 2; ++d) {
+                    l += nn::softmax_xent_khot(logits.data() + i * 12 + (d - 1) * 6, 6, t.ids(i, layer + d), 2, 0.1f,
+                                               grad ? logits.data() + i * 12 + (d - 1) * 6 : nullptr);
+                }
+            }
+            if (grad) net.backward(layer, 5, tape, logits.data(), scratch);
+            return l * 0.1;
+        };
+        check_gradients(net.params(), loss, /*first_param=*/2);  // PCA tensors are fitted, not trained
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Learning planted structure
+
+namespace {
+
+// Layer l+1's experts are a fixed function of layer l's (90% of the time), layer 0's are random.
+RoutingTrace chained_trace(int n_seq, int len, uint32_t seed) {
+    const int32_t L = 6, E = 16, K = 2;
+    RoutingTrace t = empty_trace(L, E, K);
+    std::mt19937 rng(seed);
+    for (int s = 0; s < n_seq; ++s) {
+        t.sequences.push_back({"s" + std::to_string(s), "test", 0});
+        for (int i = 0; i < len; ++i) {
+            std::vector<std::vector<int32_t>> layers;
+            std::vector<int32_t> cur{int32_t(rng() % E), 0};
+            do cur[1] = int32_t(rng() % E); while (cur[1] == cur[0]);
+            layers.push_back(cur);
+            for (int32_t l = 1; l < L; ++l) {
+                std::vector<int32_t> nx;
+                for (int32_t e : cur) {
+                    int32_t v = rng() % 10 ? (5 * e + 3 + l) % E : int32_t(rng() % E);
+                    while (std::find(nx.begin(), nx.end(), v) != nx.end()) v = (v + 1) % E;
+                    nx.push_back(v);
+                }
+                layers.push_back(nx);
+                cur = nx;
+            }
+            add_token(t, layers);
+        }
+    }
+    return t;
+}
+
+double recall_d1(ScoringPredictor *p, const RoutingTrace &t, const HiddenTrace *h = nullptr) {
+    EvalOptions o;
+    o.window = 2;
+    const EvalResult r = evaluate_predictor(p, t, h, o, "test");
+    const EvalCell c = r.sum(1, 1, t.n_layer);
+    return c.recall / double(c.n);
+}
+
+} // namespace
+
+TEST(LlaporTrain, LstmLearnsPlantedChainAndBeatsFrequency) {
+    const RoutingTrace train = chained_trace(40, 20, 21), test = chained_trace(10, 20, 22);
+    TrainOptions o;
+    o.kind = "llapor-lstm";
+    o.window = 2;
+    o.groups = "1";
+    o.hidden = 16;
+    o.epochs = 8;
+    o.batch = 32;
+    o.lr = 1e-2f;
+    const TrainResult r = train_llapor(train, nullptr, o);
+    LlaporLstmPredictor lstm(std::make_shared<LlaporLstmNet>(r.config, r.params));
+    FrequencyPredictor freq({6, 16, 2}, 1.0);
+    const double rl = recall_d1(&lstm, test), rf = recall_d1(&freq, test);
+    EXPECT_GT(rl, 0.8) << "frequency " << rf;
+    EXPECT_GT(rl, rf + 0.4);
+
+    // Save/load round trip: same scores, bit for bit.
+    const fs::path p = tmp_file("lstm.pred");
+    save_llapor(p.string(), r.config, r.params);
+    LlaporConfig cfg;
+    auto loaded = load_llapor(p.string(), 1, &cfg);
+    EXPECT_EQ(cfg.to_json(), r.config.to_json());
+    LlaporLstmPredictor again(std::make_shared<LlaporLstmNet>(r.config, r.params));
+    std::vector<float> a(2 * 16), b(2 * 16);
+    std::vector<int32_t> ids(2);
+    for (int64_t i = 0; i < 3; ++i) {
+        for (int32_t l = 0; l < 6; ++l) {
+            ids[0] = test.ids(i, l)[0], ids[1] = test.ids(i, l)[1];
+            const PredictorInput in{l, 6, 2, ids, 1, 2, nullptr, 0};
+            loaded->score(in, a);
+            again.score(in, b);
+            EXPECT_EQ(a, b);
+        }
+    }
+}
+
+TEST(LlaporTrain, MlpLearnsPlantedHiddenStatesAndBeatsFrequency) {
+    // The router input of layer l encodes layer l+1's experts (a fixed random embedding plus noise).
+    auto make = [](int n_seq, int len, uint32_t seed, HiddenTrace &h) {
+        RoutingTrace t = random_trace(4, 16, 2, n_seq, len, seed);
+        h.trace = "x", h.n_layer = 4, h.dim = 12;
+        std::mt19937 rng(seed), emb_rng(5);
+        std::normal_distribution<float> nd;
+        std::vector<float> emb(16 * 12);
+        for (auto &v : emb) v = nd(emb_rng);
+        std::vector<float> x(4 * 12);
+        for (int64_t i = 0; i < t.n_tokens(); ++i) {
+            for (int32_t l = 0; l < 4; ++l) {
+                for (int c = 0; c < 12; ++c) {
+                    float v = 0.3f * nd(rng);
+                    if (l + 1 < 4) v += emb[size_t(t.ids(i, l + 1)[0] * 12 + c)] + emb[size_t(t.ids(i, l + 1)[1] * 12 + c)];
+                    x[size_t(l * 12 + c)] = v;
+                }
+            }
+            h.append_token(x.data());
+        }
+        int64_t pos = 0;
+        for (size_t s = 0; s < t.sequences.size(); ++s) h.token_ranges.push_back({int64_t(s), 0, t.sequences[s].n_tokens}), pos += 0;
+        return t;
+    };
+    HiddenTrace htrain, htest;
+    const RoutingTrace train = make(40, 25, 31, htrain), test = make(8, 25, 32, htest);
+    TrainOptions o;
+    o.kind = "llapor-mlp";
+    o.window = 2;
+    o.groups = "1,3";
+    o.hidden = 32;
+    o.pca_dim = 12;
+    o.epochs = 10;
+    o.batch = 32;
+    o.lr = 5e-3f;
+    const TrainResult r = train_llapor(train, &htrain, o);
+    LlaporMlpPredictor mlp(std::make_shared<LlaporMlpNet>(r.config, r.params));
+    FrequencyPredictor freq({4, 16, 2}, 1.0);
+    const double rm = recall_d1(&mlp, test, &htest), rf = recall_d1(&freq, test, &htest);
+    EXPECT_GT(rm, 0.8) << "frequency " << rf;
+    EXPECT_GT(rm, rf + 0.4);
+
+    const fs::path p = tmp_file("mlp.pred");
+    save_llapor(p.string(), r.config, r.params);
+    auto loaded = load_llapor(p.string());
+    EXPECT_DOUBLE_EQ(recall_d1(loaded.get(), test, &htest), rm);
+}
+
+TEST(LlaporFile, RejectsDamagedFiles) {
+    LlaporConfig c;
+    c.kind = "llapor-lstm";
+    c.shape = {4, 8, 2};
+    c.group_start = {0};
+    c.hidden = 4;
+    LlaporLstmNet net(c, 1);
+    const fs::path p = tmp_file("bad.pred");
+    save_llapor(p.string(), c, net.params());
+    std::ifstream in(p, std::ios::binary);
+    const std::string good((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    auto expect_error = [&](const std::string &bytes, const std::string &what) {
+        std::ofstream(p, std::ios::binary | std::ios::trunc) << bytes;
+        try {
+            load_llapor(p.string());
+            ADD_FAILURE() << "accepted: " << what;
+        } catch (const Error &e) {
+            EXPECT_NE(std::string(e.what()).find(p.string()), std::string::npos) << e.what();
+            EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+        }
+    };
+    expect_error("XSPRED01" + good.substr(8), "bad magic");
+    expect_error(good.substr(0, good.size() - 4), "runs past the end");
+    std::string kind = good;
+    kind.replace(kind.find("llapor-lstm"), 11, "llapor-gru!");
+    expect_error(kind, "predictor kind");
+}
+
+// Fate with the real router weights of a GGUF: given layer l's own router input, it reproduces layer l's routing.
+TEST(FatePredictor, ReadsTheRoutersOfTheModel) {
+    const auto model = Model::load(std::string(PRESCOPE_SOURCE_DIR) + "/tests/data/models/qwen3moe/tiny-f32.gguf");
+    const HParams &hp = model->hp();
+    Context ctx(*model, {32, 32});
+    std::vector<std::vector<float>> x(size_t(hp.n_layer));
+    std::vector<std::vector<int32_t>> ids(size_t(hp.n_layer));
+    ctx.on_router_input = [&](int64_t l, const float *h, int64_t n) { x[size_t(l)].assign(h, h + n * hp.n_embd); };
+    ctx.on_routing = [&](int64_t l, const Routing &r) { ids[size_t(l)] = r.ids; };
+    std::vector<int32_t> tokens{1, 5, 9, 200, 7, 3};
+    ctx.eval(tokens);
+    const PredictorShape shape{int32_t(hp.n_layer), int32_t(hp.n_expert), int32_t(hp.n_expert_used)};
+    FatePredictor fate(shape, hp.n_embd, FatePredictor::read_routers(*model), int32_t(tokens.size()), 1);
+    std::vector<float> scores(tokens.size() * size_t(hp.n_expert));
+    std::vector<int32_t> order(static_cast<size_t>(hp.n_expert));
+    const int32_t K = shape.top_k;
+    for (int32_t l = 1; l < shape.n_layers; ++l) {
+        // Predict layer l from "layer l-1" while handing it layer l's router input: distance 0 in disguise.
+        const PredictorInput in{l - 1, shape.n_layers, 1, ids[size_t(l - 1)], int32_t(tokens.size()), K,
+                                x[size_t(l)].data(), hp.n_embd};
+        fate.score(in, scores);
+        for (size_t t = 0; t < tokens.size(); ++t) {
+            const float *row = scores.data() + t * size_t(hp.n_expert);
+            std::iota(order.begin(), order.end(), 0);
+            std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return row[a] > row[b]; });
+            for (int32_t j = 0; j < K; ++j) EXPECT_EQ(order[size_t(j)], ids[size_t(l)][t * size_t(K) + size_t(j)]);
+        }
+    }
+}
+
+TEST(LayerGroups, MeasurementFindsPlantedGroups) {
+    // Layers 0-2: random routing; 3-5: the previous token's experts again (90%); 6-8: experts {0, 1} (90%).
+    const int32_t L = 9, E = 16, K = 2;
+    RoutingTrace t = empty_trace(L, E, K);
+    std::mt19937 rng(3);
+    auto random_pair = [&] {
+        std::vector<int32_t> p{int32_t(rng() % E), 0};
+        do p[1] = int32_t(rng() % E); while (p[1] == p[0]);
+        return p;
+    };
+    for (int s = 0; s < 20; ++s) {
+        t.sequences.push_back({"s", "test", 0});
+        std::vector<std::vector<int32_t>> prev;
+        for (int i = 0; i < 50; ++i) {
+            std::vector<std::vector<int32_t>> layers;
+            for (int32_t l = 0; l < L; ++l) {
+                if (l < 3) layers.push_back(random_pair());
+                else if (l < 6) layers.push_back(!prev.empty() && rng() % 10 ? prev[size_t(l)] : random_pair());
+                else layers.push_back(rng() % 10 ? std::vector<int32_t>{0, 1} : random_pair());
+            }
+            add_token(t, layers);
+            prev = layers;
+        }
+    }
+    const GroupMeasurement m = measure_groups(t);
+    EXPECT_EQ(m.group_start, (std::vector<int32_t>{0, 3, 6}));
+    EXPECT_GT(m.reuse[4], 0.8);
+    EXPECT_LT(m.entropy[7], m.entropy[1]);
+    GroupMeasurement unused;
+    EXPECT_EQ(parse_groups("2,5", t, &unused), (std::vector<int32_t>{0, 2, 5}));
+    EXPECT_EQ(parse_groups("1", t, &unused), (std::vector<int32_t>{0}));
+    EXPECT_THROW(parse_groups("5,2", t, &unused), Error);
+    EXPECT_THROW(parse_groups("2,9", t, &unused), Error);
+}
