@@ -50,6 +50,25 @@ struct VecAvx2 {
         return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(p))));
     }
     static float f16(uint16_t h) { return _cvtsh_ss(h); }
+    /// dst[c * ldd + r] = src[r * lds + c] for r, c < 8 (unpack, shuffle, then swap 128-bit lanes).
+    static void transpose8(const float *src, int64_t lds, float *dst, int64_t ldd) {
+        __m256 r[8], t[8];
+        for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * lds);
+        for (int i = 0; i < 8; i += 2) {
+            t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+            t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+        }
+        for (int i = 0; i < 8; i += 4) {
+            r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+            r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+            r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+            r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+        }
+        for (int i = 0; i < 4; ++i) {
+            _mm256_storeu_ps(dst + i * ldd, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+            _mm256_storeu_ps(dst + (i + 4) * ldd, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+        }
+    }
     static void q8_scales(const prescope::BlockQ8_0 *blk, int64_t nb, float *out) {
         for (int64_t b = 0; b < nb; ++b) out[b] = f16(blk[b].d);
     }

@@ -4,7 +4,7 @@
 //
 // S provides: type V of N F32 lanes; zero, set1, load, store, add, mul, fmadd, reduce (horizontal
 // sum); load_f16 / load_bf16 / load_q8 (N elements converted to F32); f16 (one scalar half);
-// q8_scales (the F16 scales of consecutive Q8_0 blocks as F32);
+// q8_scales (the F16 scales of consecutive Q8_0 blocks as F32); transpose8 (an 8 x 8 tile);
 // max_tokens (tokens computed together per weight row by the GEMV); gemm_vecs (vectors of N tokens
 // per GEMM register block), gemm_rows[v - 1] (weight rows of a block of v vectors) and gemm_row_pad
 // (a multiple of every gemm_rows), all bounded by the register file.
@@ -221,6 +221,27 @@ void weighted_row_sum(const float *p, const float *v, int64_t v_stride, int64_t 
     }
 }
 
+/// KernelTable::pack: rows [k0, k1) of x's transpose in blocks of TB tokens, 8 x 8 tiles at a time.
+template <class S>
+void pack(const float *x, int64_t n, int64_t n_tok, int64_t k0, int64_t k1, float *xt) {
+    constexpr int64_t TB = S::gemm_vecs * S::N;
+    for (int64_t b = 0; b * TB < n_tok; ++b) {
+        const int64_t nt = std::min(TB, n_tok - b * TB);
+        const float *xb = x + b * TB * n;
+        float *xtb = xt + b * n * TB;
+        int64_t j = 0;
+        for (; j + 8 <= nt; j += 8) {
+            int64_t k = k0;
+            for (; k + 8 <= k1; k += 8) S::transpose8(xb + j * n + k, n, xtb + k * TB + j, TB);
+            for (; k < k1; ++k)
+                for (int64_t jj = j; jj < j + 8; ++jj) xtb[k * TB + jj] = xb[jj * n + k];
+        }
+        for (; j < nt; ++j)
+            for (int64_t k = k0; k < k1; ++k) xtb[k * TB + j] = xb[j * n + k];
+        for (int64_t k = k0; k < k1; ++k) std::fill(xtb + k * TB + nt, xtb + (k + 1) * TB, 0.0f);
+    }
+}
+
 /// R x TV register block of a GEMM, outer-product form: out[r][v*N + l] = sum_k w[r][k] * xt[k][v*N + l].
 /// w: R F32 rows (stride ldw), xt: the activations transposed, [n][ldxt] (token index fastest), so
 /// each k costs TV vector loads, R broadcasts and R*TV FMAs, all accumulators in registers.
@@ -270,8 +291,11 @@ void gemm(const float *w, int64_t n_rows, int64_t n, const float *xt, int64_t n_
         for (int64_t r0 = 0; r0 < n_rows; r0 += R) {
             blocks[tv - 1](w + r0 * n, n, xb, TB, n, out);
             const int64_t nr = std::min<int64_t>(R, n_rows - r0);
-            for (int64_t r = 0; r < nr; ++r)
-                for (int64_t t = 0; t < nt; ++t) y[(t0 + t) * ldy + r0 + r] = out[r * tv * N + t];
+            // Token-major, so each token's nr outputs go to consecutive addresses of y.
+            for (int64_t t = 0; t < nt; ++t) {
+                float *yt = y + (t0 + t) * ldy + r0;
+                for (int64_t r = 0; r < nr; ++r) yt[r] = out[r * tv * N + t];
+            }
         }
     }
 }
@@ -290,6 +314,7 @@ prescope::cpu::KernelTable make_kernel_table() {
     k.weighted_row_sum = &weighted_row_sum<S>;
     k.gemm = &gemm<S>;
     k.gemm_row_pad = S::gemm_row_pad;
+    k.pack = &pack<S>;
     k.gemm_tokens = S::gemm_vecs * S::N;
     return k;
 }

@@ -63,6 +63,10 @@ struct VecScalar {
         return r;
     }
     static float f16(uint16_t h) { return prescope::fp16_to_fp32(h); }
+    static void transpose8(const float *src, int64_t lds, float *dst, int64_t ldd) {
+        for (int r = 0; r < 8; ++r)
+            for (int c = 0; c < 8; ++c) dst[c * ldd + r] = src[r * lds + c];
+    }
     static void q8_scales(const prescope::BlockQ8_0 *blk, int64_t nb, float *out) {
         for (int64_t b = 0; b < nb; ++b) out[b] = f16(blk[b].d);
     }

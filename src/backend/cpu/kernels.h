@@ -41,6 +41,9 @@ struct KernelTable {
     /// (zero past n_tok). w holds round_up(n_rows, gemm_row_pad) rows (the extra ones are read, their
     /// results dropped).
     void (*gemm)(const float *w, int64_t n_rows, int64_t n, const float *xt, int64_t n_tok, float *y, int64_t ldy);
+    /// Packs rows [k0, k1) of the transpose of x ([n_tok][n] F32) in gemm's layout: xt[b][k][j] =
+    /// x[b * gemm_tokens + j][k], zero for b * gemm_tokens + j >= n_tok.
+    void (*pack)(const float *x, int64_t n, int64_t n_tok, int64_t k0, int64_t k1, float *xt);
     int gemm_row_pad;  // weight rows of gemm's tiles are padded to a multiple of this
     int gemm_tokens;   // tokens per block of gemm's packed activations
 };

@@ -44,20 +44,6 @@ int64_t round_up(int64_t a, int64_t b) {
     return ceil_div(a, b) * b;
 }
 
-/// Packs rows [k0, k1) of x's transpose in blocks of tb tokens: xt[b][k][j] = x[b * tb + j][k], zero
-/// past n_tok (the layout KernelTable::gemm reads).
-void pack_transposed(const float *x, int64_t n_in, int64_t n_tok, int64_t tb, int64_t k0, int64_t k1, float *xt) {
-    for (int64_t b = 0; b * tb < n_tok; ++b) {
-        const int64_t nt = std::min(tb, n_tok - b * tb);
-        const float *xb = x + b * tb * n_in;
-        for (int64_t k = k0; k < k1; ++k) {
-            float *row = xt + (b * n_in + k) * tb;
-            for (int64_t j = 0; j < nt; ++j) row[j] = xb[j * n_in + k];
-            std::fill(row + nt, row + tb, 0.0f);
-        }
-    }
-}
-
 /// Rows [r0, r1) of one GEMM job: weight tiles converted to F32, then KernelTable::gemm on the
 /// packed activations xt, or OpenBLAS sgemm on x.
 void gemm_rows(const KernelTable &k, DType type, const uint8_t *w, size_t row_bytes, int64_t n_in, int64_t n_out,
@@ -123,7 +109,7 @@ void matmul_batch(DType type, int64_t n_in, int64_t n_out, const MatmulJob *jobs
     }
     const int64_t gemv_chunk = std::max(kMinRowsPerItem, ceil_div(gemv_rows, 2 * int64_t(nth)));
     const int64_t gemm_work_per_item = ceil_div(gemm_work, int64_t(nth) * (n_gemm_jobs > 1 ? 4 : 1));
-    // Work lists and the packed activations of GEMM jobs (pack_transposed) belong to the calling
+    // Work lists and the packed activations of GEMM jobs (KernelTable::pack) belong to the calling
     // thread and keep their memory between calls (decode makes thousands of calls per token). The
     // workers reach them through the plain pointers below, never by these thread_local names.
     thread_local std::vector<WorkItem> items;
@@ -160,7 +146,7 @@ void matmul_batch(DType type, int64_t n_in, int64_t n_out, const MatmulJob *jobs
         for (int64_t p = 0; p < n_pack; ++p) {
             const PackItem &pk = pack_list[p];
             const MatmulJob &job = jobs[pk.job];
-            pack_transposed(job.x, n_in, job.n_tok, k.gemm_tokens, pk.k0, pk.k1, xt + xt_offsets[pk.job]);
+            k.pack(job.x, n_in, job.n_tok, pk.k0, pk.k1, xt + xt_offsets[pk.job]);
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < n_items; ++i) {
