@@ -180,7 +180,8 @@ TEST(CpuOps, MatmulMatchesReference) {
     std::mt19937 rng(1234);
     for (DType type : kWeightTypes) {
         std::vector<int64_t> n_ins = {32, 96, 768, 4096};
-        if (type != DType::Q8_0) n_ins.insert(n_ins.end(), {37, 129});  // row tails shorter than a vector
+        // Row tails shorter than a vector; 2085 also splits into column chunks with a tail in the last.
+        if (type != DType::Q8_0) n_ins.insert(n_ins.end(), {37, 129, 2085});
         for (int64_t n_in : n_ins) {
             for (int64_t n_out : {5, 67}) {
                 const Weights w = make_weights(type, n_in, n_out, rng);

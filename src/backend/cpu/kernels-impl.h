@@ -153,19 +153,31 @@ constexpr std::array<DotRowFn, sizeof...(Ts)> dot_row_table(std::integer_sequenc
 }
 
 /// KernelTable::GemvFn for dtype D: rows outer, tokens in groups of up to S::max_tokens inner, so a
-/// weight row is read from memory once and from L1 for the following groups.
+/// weight row is read from memory once and from L1 for the following groups. With several tokens the
+/// rows are walked in chunks of columns whose slice of x (all tokens) fits in L1; otherwise every row
+/// would stream all of x from L2 again.
 template <class S, DType D>
 void gemv(const uint8_t *w, size_t w_stride, int64_t n_rows, int64_t n, const float *x, int64_t ldx,
           int64_t n_tok, float *y, int64_t ldy) {
     constexpr int TM = S::max_tokens;
+    constexpr int64_t kXSliceBytes = 24 << 10;  // half of a 48 KiB L1: the weights stream through the rest
+    constexpr int64_t kXWholeBytes = 32 << 10;  // x this small stays in L1 without chunks
     static constexpr auto dots = dot_row_table<S, D>(std::make_integer_sequence<int, TM>());
+    const int64_t chunk = 4 * n_tok * n <= kXWholeBytes
+                              ? n
+                              : std::max<int64_t>(256, kXSliceBytes / (4 * n_tok) / QK8_0 * QK8_0);
     float out[TM];
-    for (int64_t r = 0; r < n_rows; ++r) {
-        const uint8_t *wr = w + size_t(r) * w_stride;
-        for (int64_t t0 = 0; t0 < n_tok; t0 += TM) {
-            const int64_t nt = std::min<int64_t>(TM, n_tok - t0);
-            dots[nt - 1](wr, n, x + t0 * ldx, ldx, out);
-            for (int64_t t = 0; t < nt; ++t) y[(t0 + t) * ldy + r] = out[t];
+    for (int64_t k0 = 0; k0 < n; k0 += chunk) {
+        const int64_t nk = std::min(chunk, n - k0);
+        const size_t offset = prescope::dtype_row_bytes(D, k0);  // k0 is a multiple of 32
+        for (int64_t r = 0; r < n_rows; ++r) {
+            const uint8_t *wr = w + size_t(r) * w_stride + offset;
+            for (int64_t t0 = 0; t0 < n_tok; t0 += TM) {
+                const int64_t nt = std::min<int64_t>(TM, n_tok - t0);
+                dots[nt - 1](wr, nk, x + t0 * ldx + k0, ldx, out);
+                float *yr = y + t0 * ldy + r;
+                for (int64_t t = 0; t < nt; ++t) yr[t * ldy] = k0 == 0 ? out[t] : yr[t * ldy] + out[t];
+            }
         }
     }
 }

@@ -18,7 +18,7 @@ namespace {
 
 // From this many tokens a job takes the GEMM path. Measured (bench-cpu-ops, matmul_path):
 // docs/decisions/0011-cpu-matmul-paths.md.
-std::atomic<int64_t> g_gemm_min_tokens{16};
+std::atomic<int64_t> g_gemm_min_tokens{14};
 std::atomic<int> g_gemm_backend{int(GemmBackend::OWN)};
 // F32 weight tile per thread on the GEMM path: stays in L2 (2 MiB per Sapphire Rapids core) next to
 // the slice of transposed activations that the register blocks read.
