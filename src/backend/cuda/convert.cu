@@ -1,0 +1,77 @@
+// Row gather + dtype conversion kernels (convert.cuh): one thread per 8 elements.
+#include "backend/cuda/convert.cuh"
+
+#include "backend/cuda/common.cuh"
+#include "backend/cuda/device.cuh"
+
+namespace prescope::cuda {
+
+namespace {
+
+constexpr int kConvertThreads = 256;
+constexpr int kMaxGridY = 65535;
+
+template <DType From, DType To>
+__global__ void __launch_bounds__(kConvertThreads)
+    convert_rows_kernel(const uint8_t *__restrict__ src, const int32_t *__restrict__ ids, int64_t n,
+                        int64_t n_src_rows, int64_t n_rows, uint8_t *__restrict__ out) {
+    const int64_t c = int64_t(blockIdx.x) * kConvertThreads + threadIdx.x;
+    if (c >= n / kChunk) return;
+    const size_t src_rb = row_bytes(From, n), out_rb = row_bytes(To, n);
+    for (int64_t r = blockIdx.y; r < n_rows; r += gridDim.y) {
+        const int64_t id = ids != nullptr ? int64_t(ids[r]) : r;
+        float v[kChunk];
+        if (id >= 0 && id < n_src_rows) {
+            load_chunk<From>(src + size_t(id) * src_rb, c, v);
+        } else {
+#pragma unroll
+            for (int k = 0; k < kChunk; ++k) v[k] = __int_as_float(0x7fc00000);  // quiet NaN
+        }
+        store_chunk<To>(out + size_t(r) * out_rb + size_t(c) * row_bytes(To, kChunk), v);
+    }
+}
+
+template <DType From>
+void launch_convert(const void *src, int64_t n, const int32_t *ids, int64_t n_src_rows, int64_t n_rows, DType to,
+                    void *out, cudaStream_t stream) {
+    const dim3 grid(unsigned(ceil_div(n / kChunk, kConvertThreads)),
+                    unsigned(n_rows < kMaxGridY ? n_rows : kMaxGridY));
+    const auto *s = static_cast<const uint8_t *>(src);
+    auto *o = static_cast<uint8_t *>(out);
+    switch (to) {
+    case DType::F32:
+        convert_rows_kernel<From, DType::F32><<<grid, kConvertThreads, 0, stream>>>(s, ids, n, n_src_rows, n_rows, o);
+        break;
+    case DType::F16:
+        convert_rows_kernel<From, DType::F16><<<grid, kConvertThreads, 0, stream>>>(s, ids, n, n_src_rows, n_rows, o);
+        break;
+    case DType::BF16:
+        convert_rows_kernel<From, DType::BF16><<<grid, kConvertThreads, 0, stream>>>(s, ids, n, n_src_rows, n_rows, o);
+        break;
+    case DType::Q8_0: cuda_unsupported("convert_rows: no conversion to q8_0");
+    }
+}
+
+} // namespace
+
+void convert_rows(DType type, const void *src, int64_t n, const int32_t *ids, int64_t n_src_rows, int64_t n_rows,
+                  DType to, void *out, cudaStream_t stream) {
+    CUDA_ASSERT(n > 0 && n % kChunk == 0 && (type != DType::Q8_0 || n % QK8_0 == 0));
+    CUDA_ASSERT(reinterpret_cast<uintptr_t>(src) % (type == DType::Q8_0 ? 2 : 16) == 0);
+    CUDA_ASSERT(reinterpret_cast<uintptr_t>(out) % 16 == 0);
+    if (n_rows <= 0) return;
+    switch (type) {
+    case DType::F32: launch_convert<DType::F32>(src, n, ids, n_src_rows, n_rows, to, out, stream); break;
+    case DType::F16: launch_convert<DType::F16>(src, n, ids, n_src_rows, n_rows, to, out, stream); break;
+    case DType::BF16: launch_convert<DType::BF16>(src, n, ids, n_src_rows, n_rows, to, out, stream); break;
+    case DType::Q8_0: launch_convert<DType::Q8_0>(src, n, ids, n_src_rows, n_rows, to, out, stream); break;
+    }
+    launch_check("convert_rows", stream);
+}
+
+void get_rows(DType type, const void *table, int64_t n_embd, int64_t n_vocab, const int32_t *ids, int64_t n_tok,
+              float *out, cudaStream_t stream) {
+    convert_rows(type, table, n_embd, ids, n_vocab, n_tok, DType::F32, out, stream);
+}
+
+} // namespace prescope::cuda

@@ -1,0 +1,28 @@
+// Row conversion between dtypes on the GPU: gathers rows of a matrix (weights of any dtype, or F32
+// activations) and writes them as F32, F16 or BF16; get_rows (the embedding lookup) is one use.
+#pragma once
+
+#include "core/dtype.h"
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace prescope::cuda {
+
+/// out row r = source row (ids ? ids[r] : r) converted to `to`, for r < n_rows.
+/// src: n_src_rows packed rows of n elements of `type` (F32, F16, BF16, Q8_0; row stride
+/// row_bytes(type, n)); n % 8 == 0 (and % 32 for Q8_0). to: F32, F16 (saturating at +-65504) or BF16
+/// (round to nearest even); out: [n_rows][n] of `to`, 16-byte aligned. src 16-byte aligned for F32,
+/// F16, BF16 and 2-byte aligned for Q8_0. An id outside [0, n_src_rows) gives a row of NaN (callers
+/// validate ids; NaN makes a slip visible instead of reading out of bounds). Async on `stream`.
+void convert_rows(DType type, const void *src, int64_t n, const int32_t *ids, int64_t n_src_rows,
+                  int64_t n_rows, DType to, void *out, cudaStream_t stream);
+
+/// Embedding lookup, the CUDA twin of cpu::get_rows: out[t] = row ids[t] of `table` as F32.
+/// table: n_vocab rows of n_embd elements of `type` on the device; ids: [n_tok] int32 on the device,
+/// each < n_vocab (out-of-range ids give NaN rows); out: [n_tok][n_embd] F32. Async on `stream`.
+void get_rows(DType type, const void *table, int64_t n_embd, int64_t n_vocab, const int32_t *ids, int64_t n_tok,
+              float *out, cudaStream_t stream);
+
+} // namespace prescope::cuda

@@ -1,0 +1,371 @@
+// Matrix products (matmul.cuh): the GEMV kernel for few tokens (any weight dtype, one launch for all
+// experts of a layer) and the cuBLAS path for many tokens. Decision: docs/decisions/0040-cuda-matmul.md.
+#include "backend/cuda/matmul.cuh"
+
+#include "backend/cuda/convert.cuh"
+#include "backend/cuda/device.cuh"
+
+#include <climits>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+namespace prescope::cuda {
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// GEMV: a block computes 8 output rows (2 per warp) for up to 8 tokens. The rows are streamed through
+// shared memory in slices with 16-byte cp.async copies, two stages deep, so loads stay coalesced and
+// in flight whatever the dtype (a Q8_0 block is 34 bytes: 16-byte loads straight into registers
+// would straddle blocks). Each lane then converts 8 weights at a time to F32 in registers and
+// multiplies them with the tokens' activations (read through L1: all warps of a block share them).
+
+constexpr int kMmvThreads = 128;
+constexpr int kMmvWarps = kMmvThreads / kWarp;
+constexpr int kMmvRowsPerWarp = 2;
+constexpr int kMmvRows = kMmvWarps * kMmvRowsPerWarp;
+constexpr int kMmvMaxTokens = 8;  // tokens per pass over the weights
+constexpr int kMmvMinBlocks = 8;   // per SM: caps registers at 64, so 32 warps can hide load latency
+
+// Chunks of 8 weights per lane and slice: 1024 weights per slice (512 for F32), about 1-2 KiB per row.
+template <DType T> constexpr int kLaneChunks = T == DType::F32 ? 2 : 4;
+template <DType T> constexpr int kSliceChunks = kWarp * kLaneChunks<T>;
+template <DType T> constexpr int kSliceBytes = int(row_bytes(T, int64_t(kSliceChunks<T>) * kChunk));
+// A row's slice may start anywhere in its first 16 bytes of shared memory (the copy keeps the source's
+// alignment), hence 16 bytes of slack.
+template <DType T> constexpr int kRowStride = kSliceBytes<T> + 16;
+template <DType T> constexpr int kStageBytes = kMmvRows * kRowStride<T>;
+template <DType T> constexpr int kMmvSmemBytes = 2 * kStageBytes<T>;
+static_assert(kMmvSmemBytes<DType::F32> <= 48 * 1024 && kMmvSmemBytes<DType::BF16> <= 48 * 1024 &&
+              kMmvSmemBytes<DType::Q8_0> <= 48 * 1024, "GEMV stages must fit the default shared memory");
+static_assert(kSliceBytes<DType::Q8_0> % 16 == 0, "a Q8_0 slice must be whole blocks and 16-byte pieces");
+
+struct MmvArgs {
+    const void *w;              // the matrix when w_list == nullptr
+    const void *const *w_list;  // [n_group] matrices (experts), or nullptr
+    const int32_t *offsets;     // [n_group + 1] pair ranges, or nullptr: one group of pairs [0, n_tok)
+    const int32_t *rows;        // [n_pairs] row of x of each pair, or nullptr: row p
+    const float *x;             // [..][n_in]
+    float *y;                   // [n_pairs][n_out]
+    int64_t n_in, n_out;
+    int32_t n_tok;              // pairs when offsets == nullptr
+    int32_t max_tok;            // groups with more pairs are left to the cuBLAS path
+};
+
+template <DType T, int NT>
+__global__ void __launch_bounds__(kMmvThreads, kMmvMinBlocks) mmv_kernel(const MmvArgs a) {
+    extern __shared__ __align__(16) uint8_t smem[];
+    const int32_t p_begin = a.offsets != nullptr ? a.offsets[blockIdx.y] : 0;
+    const int32_t p_end = a.offsets != nullptr ? a.offsets[blockIdx.y + 1] : a.n_tok;
+    if (p_end <= p_begin || p_end - p_begin > a.max_tok) return;  // uniform over the block
+
+    const uint8_t *w = static_cast<const uint8_t *>(a.w_list != nullptr ? a.w_list[blockIdx.y] : a.w);
+    const size_t rb = row_bytes(T, a.n_in);
+    const int64_t row0 = int64_t(blockIdx.x) * kMmvRows, n_out = a.n_out;
+    const int64_t n_chunks = a.n_in / kChunk;
+    const int n_slices = int(ceil_div(n_chunks, kSliceChunks<T>));
+    const int warp = int(threadIdx.x) / kWarp, lane = int(threadIdx.x) % kWarp;
+
+    // Slice s of row r starts at this address in global memory.
+    const auto slice_src = [&](int r, int s) {
+        return reinterpret_cast<uintptr_t>(w + size_t(row0 + r) * rb +
+                                           row_bytes(T, int64_t(s) * kSliceChunks<T> * kChunk));
+    };
+    // Copies slice s of the block's rows into stage `buf` from 16-byte aligned addresses. Bytes
+    // before or after a row that share its aligned 16 bytes are readable, as they lie in the same page.
+    const auto stage = [&](int s, int buf) {
+        const int64_t nc = min(n_chunks - int64_t(s) * kSliceChunks<T>, int64_t(kSliceChunks<T>));
+        const uintptr_t nb = row_bytes(T, nc * kChunk);
+        uint8_t *dst = smem + buf * kStageBytes<T>;
+        constexpr int kPieces = kRowStride<T> / 16;
+        for (int i = int(threadIdx.x); i < kMmvRows * kPieces; i += kMmvThreads) {
+            const int r = i / kPieces, j = i % kPieces;
+            if (row0 + r >= n_out) break;  // i ascends, so do the rows
+            const uintptr_t src = slice_src(r, s), base = src & ~uintptr_t(15);
+            if (uintptr_t(j) * 16 < src - base + nb)
+                cp_async_16(dst + r * kRowStride<T> + j * 16, reinterpret_cast<const void *>(base + uintptr_t(j) * 16));
+        }
+        cp_async_commit();
+    };
+
+    for (int32_t p0 = p_begin; p0 < p_end; p0 += NT) {
+        const float *xr[NT];
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+            const int32_t p = p0 + t;
+            xr[t] = p < p_end ? a.x + int64_t(a.rows != nullptr ? a.rows[p] : p) * a.n_in : nullptr;
+        }
+        float acc[kMmvRowsPerWarp][NT];
+#pragma unroll
+        for (int j = 0; j < kMmvRowsPerWarp; ++j)
+#pragma unroll
+            for (int t = 0; t < NT; ++t) acc[j][t] = 0.0f;
+
+        stage(0, 0);
+        for (int s = 0; s < n_slices; ++s) {
+            if (s + 1 < n_slices) {
+                stage(s + 1, (s + 1) & 1);
+                cp_async_wait<1>();
+            } else {
+                cp_async_wait<0>();
+            }
+            __syncthreads();
+            const int64_t c0 = int64_t(s) * kSliceChunks<T>;
+            const uint8_t *srow[kMmvRowsPerWarp];
+#pragma unroll
+            for (int j = 0; j < kMmvRowsPerWarp; ++j) {
+                const int r = warp * kMmvRowsPerWarp + j;
+                srow[j] = row0 + r < n_out
+                              ? smem + (s & 1) * kStageBytes<T> + r * kRowStride<T> + (slice_src(r, s) & 15)
+                              : nullptr;
+            }
+#pragma unroll
+            for (int i = 0; i < kLaneChunks<T>; ++i) {
+                const int cl = i * kWarp + lane;
+                if (c0 + cl >= n_chunks) break;
+                float wv[kMmvRowsPerWarp][kChunk];
+#pragma unroll
+                for (int j = 0; j < kMmvRowsPerWarp; ++j) {
+                    if (srow[j] != nullptr) {
+                        load_chunk<T>(srow[j], cl, wv[j]);
+                    } else {
+#pragma unroll
+                        for (int k = 0; k < kChunk; ++k) wv[j][k] = 0.0f;
+                    }
+                }
+#pragma unroll
+                for (int t = 0; t < NT; ++t) {
+                    if (xr[t] == nullptr) continue;
+                    const float4 *xp = reinterpret_cast<const float4 *>(xr[t] + (c0 + cl) * kChunk);
+                    const float4 u = __ldg(xp), v = __ldg(xp + 1);
+                    const float xv[kChunk] = {u.x, u.y, u.z, u.w, v.x, v.y, v.z, v.w};
+#pragma unroll
+                    for (int j = 0; j < kMmvRowsPerWarp; ++j)
+#pragma unroll
+                        for (int k = 0; k < kChunk; ++k) acc[j][t] = fmaf(wv[j][k], xv[k], acc[j][t]);
+                }
+            }
+            __syncthreads();  // the next stage() overwrites this buffer
+        }
+
+#pragma unroll
+        for (int j = 0; j < kMmvRowsPerWarp; ++j) {
+            const int64_t row = row0 + warp * kMmvRowsPerWarp + j;
+#pragma unroll
+            for (int t = 0; t < NT; ++t) {
+                const float v = warp_sum(acc[j][t]);
+                if (lane == t && row < n_out && p0 + t < p_end) a.y[int64_t(p0 + t) * n_out + row] = v;
+            }
+        }
+    }
+}
+
+template <DType T>
+void launch_mmv(const MmvArgs &a, int n_group, int max_pairs, cudaStream_t stream) {
+    const dim3 grid(unsigned(ceil_div(a.n_out, kMmvRows)), unsigned(n_group));
+    constexpr int smem = kMmvSmemBytes<T>;
+    if (max_pairs <= 1) {
+        mmv_kernel<T, 1><<<grid, kMmvThreads, smem, stream>>>(a);
+    } else if (max_pairs <= 2) {
+        mmv_kernel<T, 2><<<grid, kMmvThreads, smem, stream>>>(a);
+    } else if (max_pairs <= 4) {
+        mmv_kernel<T, 4><<<grid, kMmvThreads, smem, stream>>>(a);
+    } else {
+        mmv_kernel<T, kMmvMaxTokens><<<grid, kMmvThreads, smem, stream>>>(a);
+    }
+}
+
+void launch_mmv(DType type, const MmvArgs &a, int n_group, int max_pairs, cudaStream_t stream) {
+    switch (type) {
+    case DType::F32: launch_mmv<DType::F32>(a, n_group, max_pairs, stream); break;
+    case DType::F16: launch_mmv<DType::F16>(a, n_group, max_pairs, stream); break;
+    case DType::BF16: launch_mmv<DType::BF16>(a, n_group, max_pairs, stream); break;
+    case DType::Q8_0: launch_mmv<DType::Q8_0>(a, n_group, max_pairs, stream); break;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// cuBLAS path. Row-major y[n_tok][n_out] = x[n_tok][n_in] W^T is, in cuBLAS's column-major terms,
+// C (n_out x n_tok) = op_T(A: n_in x n_out) * B (n_in x n_tok), lda = ldb = n_in, ldc = n_out.
+
+// Q8_0 weights are dequantized to BF16 in pieces of at most this many bytes (the workspace's share).
+constexpr size_t kDequantChunkBytes = size_t(32) << 20;
+
+// Type the activations are converted to: cuBLAS needs both operands of one type.
+DType act_type(DType w) { return w == DType::Q8_0 ? DType::BF16 : w; }
+
+size_t elem_bytes(DType t) { return row_bytes(t, kChunk) / kChunk; }
+
+cudaDataType_t cuda_data_type(DType t) {
+    switch (t) {
+    case DType::F32: return CUDA_R_32F;
+    case DType::F16: return CUDA_R_16F;
+    case DType::BF16: return CUDA_R_16BF;
+    case DType::Q8_0: break;
+    }
+    cuda_unsupported("cuBLAS has no q8_0 operand type");
+}
+
+int64_t dequant_rows(int64_t n_in, int64_t n_out) {
+    const int64_t fit = int64_t(kDequantChunkBytes / (size_t(n_in) * 2));
+    return fit < 1 ? 1 : (fit < n_out ? fit : n_out);
+}
+
+size_t dequant_bytes(DType type, int64_t n_in, int64_t n_out) {
+    return type == DType::Q8_0 ? align_256(size_t(dequant_rows(n_in, n_out)) * size_t(n_in) * 2) : 0;
+}
+
+// C[n_tok][ldc] (columns [0, m)) = A (m rows of k elements of type at) times B ([n_tok][k] of type at).
+void gemm(DType at, const void *a, int64_t m, int64_t n_tok, int64_t k, const void *b, float *c, int64_t ldc) {
+    CUDA_ASSERT(m < INT_MAX && n_tok < INT_MAX && k < INT_MAX && ldc < INT_MAX);
+    const float one = 1.0f, zero = 0.0f;
+    cublasHandle_t h = cublas_handle();
+    if (at == DType::F32) {
+        CUBLAS_CHECK(cublasSgemm(h, CUBLAS_OP_T, CUBLAS_OP_N, int(m), int(n_tok), int(k), &one,
+                                 static_cast<const float *>(a), int(k), static_cast<const float *>(b), int(k), &zero,
+                                 c, int(ldc)));
+        return;
+    }
+    const cudaDataType_t dt = cuda_data_type(at);
+    CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, int(m), int(n_tok), int(k), &one, a, dt, int(k), b, dt,
+                              int(k), &zero, c, CUDA_R_32F, int(ldc), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
+// y = W xc for activations already converted to act_type(type); wb: dequant_bytes(...) of scratch.
+void gemm_converted(DType type, const void *w, int64_t n_in, int64_t n_out, const void *xc, int64_t n_tok, float *y,
+                    void *wb, cudaStream_t stream) {
+    CUBLAS_CHECK(cublasSetStream(cublas_handle(), stream));
+    if (type != DType::Q8_0) {
+        gemm(type, w, n_out, n_tok, n_in, xc, y, n_out);
+        return;
+    }
+    const int64_t chunk = dequant_rows(n_in, n_out);
+    const size_t rb = row_bytes(type, n_in);
+    for (int64_t r0 = 0; r0 < n_out; r0 += chunk) {
+        const int64_t m = chunk < n_out - r0 ? chunk : n_out - r0;
+        convert_rows(type, static_cast<const uint8_t *>(w) + size_t(r0) * rb, n_in, nullptr, m, m, DType::BF16, wb,
+                     stream);
+        gemm(DType::BF16, wb, m, n_tok, n_in, xc, y + r0, n_out);
+    }
+}
+
+MatmulPath resolve_path(MatmulPath path) {
+    if (path != MatmulPath::AUTO) return path;
+    static const MatmulPath env = [] {
+        const char *v = std::getenv("PRESCOPE_CUDA_MATMUL");
+        if (v == nullptr || v[0] == '\0') return MatmulPath::AUTO;
+        if (std::strcmp(v, "gemv") == 0) return MatmulPath::GEMV;
+        if (std::strcmp(v, "cublas") == 0) return MatmulPath::CUBLAS;
+        std::fprintf(stderr, "warning: PRESCOPE_CUDA_MATMUL=%s: expected gemv or cublas; ignored\n", v);
+        return MatmulPath::AUTO;
+    }();
+    return env;
+}
+
+void check_weights(DType type, const void *w, int64_t n_in, int64_t n_out) {
+    CUDA_ASSERT(n_in > 0 && n_out > 0 && n_in % kChunk == 0 && (type != DType::Q8_0 || n_in % QK8_0 == 0));
+    CUDA_ASSERT(reinterpret_cast<uintptr_t>(w) % (type == DType::Q8_0 ? 2 : 16) == 0);
+}
+
+} // namespace
+
+int matmul_gemv_max_tokens(DType type) {
+    // Q8_0 weights cost 1.06 B each to stream and 2 + 2 B more to dequantize for cuBLAS, so GEMV (one
+    // pass per 8 tokens, mostly from L2) stays ahead longer than for BF16, which cuBLAS reads directly.
+    return type == DType::Q8_0 ? 32 : kMmvMaxTokens;
+}
+
+size_t matmul_workspace_bytes(DType type, int64_t n_in, int64_t n_out, int64_t n_tok, MatmulPath path) {
+    path = resolve_path(path);
+    if (path == MatmulPath::GEMV || (path == MatmulPath::AUTO && n_tok <= matmul_gemv_max_tokens(type))) return 0;
+    const size_t x_bytes =
+        type == DType::F32 ? 0 : align_256(size_t(n_tok) * size_t(n_in) * elem_bytes(act_type(type)));
+    return x_bytes + dequant_bytes(type, n_in, n_out);
+}
+
+void matmul(DType type, const void *w, int64_t n_in, int64_t n_out, const float *x, int64_t n_tok, float *y,
+            Workspace ws, cudaStream_t stream, MatmulPath path) {
+    check_weights(type, w, n_in, n_out);
+    CUDA_ASSERT(n_tok >= 0 && n_tok < INT_MAX);
+    CUDA_ASSERT(reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(y) % 16 == 0);
+    if (n_tok == 0) return;
+    path = resolve_path(path);
+    if (path == MatmulPath::AUTO) path = n_tok <= matmul_gemv_max_tokens(type) ? MatmulPath::GEMV : MatmulPath::CUBLAS;
+    if (path == MatmulPath::GEMV) {
+        const MmvArgs a{w, nullptr, nullptr, nullptr, x, y, n_in, n_out, int32_t(n_tok), INT32_MAX};
+        launch_mmv(type, a, 1, int(n_tok), stream);
+    } else {
+        CUDA_ASSERT(ws.bytes >= matmul_workspace_bytes(type, n_in, n_out, n_tok, path));
+        const void *xc = x;
+        void *wb = ws.ptr;
+        if (type != DType::F32) {
+            convert_rows(DType::F32, x, n_in, nullptr, n_tok, n_tok, act_type(type), ws.ptr, stream);
+            wb = static_cast<uint8_t *>(ws.ptr) + align_256(size_t(n_tok) * size_t(n_in) * elem_bytes(act_type(type)));
+            xc = ws.ptr;
+        }
+        gemm_converted(type, w, n_in, n_out, xc, n_tok, y, wb, stream);
+    }
+    launch_check("matmul", stream);
+}
+
+int64_t expert_matmul_pairs(const ExpertMatmul &g) {
+    return g.n_expert > 0 ? g.offsets_host[g.n_expert] : 0;
+}
+
+size_t expert_matmul_workspace_bytes(const ExpertMatmul &g, MatmulPath path) {
+    path = resolve_path(path);
+    if (path == MatmulPath::GEMV) return 0;
+    const int limit = path == MatmulPath::CUBLAS ? 0 : matmul_gemv_max_tokens(g.type);
+    bool any_cublas = false;
+    for (int32_t e = 0; e < g.n_expert; ++e) any_cublas |= g.offsets_host[e + 1] - g.offsets_host[e] > limit;
+    if (!any_cublas) return 0;
+    return align_256(size_t(expert_matmul_pairs(g)) * size_t(g.n_in) * elem_bytes(act_type(g.type))) +
+           dequant_bytes(g.type, g.n_in, g.n_out);
+}
+
+void expert_matmul(const ExpertMatmul &g, const float *x, float *y, Workspace ws, cudaStream_t stream,
+                   MatmulPath path) {
+    CUDA_ASSERT(g.n_expert >= 0 && g.n_expert <= 65535);
+    if (g.n_expert == 0) return;
+    CUDA_ASSERT(g.offsets_host != nullptr && g.offsets_host[0] == 0 && g.w_host != nullptr);
+    CUDA_ASSERT(reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(y) % 16 == 0);
+    path = resolve_path(path);
+    const int limit = path == MatmulPath::GEMV     ? INT32_MAX
+                      : path == MatmulPath::CUBLAS ? 0
+                                                   : matmul_gemv_max_tokens(g.type);
+    int max_small = 0;  // most pairs of an expert on the GEMV path
+    bool any_cublas = false;
+    for (int32_t e = 0; e < g.n_expert; ++e) {
+        const int32_t n = g.offsets_host[e + 1] - g.offsets_host[e];
+        CUDA_ASSERT(n >= 0);
+        if (n == 0) continue;
+        check_weights(g.type, g.w_host[e], g.n_in, g.n_out);
+        if (n <= limit) {
+            max_small = n > max_small ? n : max_small;
+        } else {
+            any_cublas = true;
+        }
+    }
+    if (max_small > 0) {
+        const MmvArgs a{nullptr, g.w_dev, g.offsets_dev, g.rows_dev, x, y, g.n_in, g.n_out, 0, limit};
+        launch_mmv(g.type, a, g.n_expert, max_small, stream);
+    }
+    if (any_cublas) {
+        CUDA_ASSERT(ws.bytes >= expert_matmul_workspace_bytes(g, path));
+        const DType at = act_type(g.type);
+        const int64_t n_pairs = expert_matmul_pairs(g);
+        // Gather (and convert) every pair's input once; each expert then reads a contiguous block.
+        convert_rows(DType::F32, x, g.n_in, g.rows_dev, INT64_MAX, n_pairs, at, ws.ptr, stream);
+        void *wb = static_cast<uint8_t *>(ws.ptr) + align_256(size_t(n_pairs) * size_t(g.n_in) * elem_bytes(at));
+        for (int32_t e = 0; e < g.n_expert; ++e) {
+            const int32_t p0 = g.offsets_host[e], n = g.offsets_host[e + 1] - p0;
+            if (n <= limit) continue;
+            const void *xc = static_cast<const uint8_t *>(ws.ptr) + size_t(p0) * size_t(g.n_in) * elem_bytes(at);
+            gemm_converted(g.type, g.w_host[e], g.n_in, g.n_out, xc, n, y + int64_t(p0) * g.n_out, wb, stream);
+        }
+    }
+    launch_check("expert_matmul", stream);
+}
+
+} // namespace prescope::cuda

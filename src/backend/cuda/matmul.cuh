@@ -1,0 +1,73 @@
+// Matrix products on the GPU: y = W x for weights of any dtype (F32, F16, BF16, Q8_0) and F32
+// activations, one matrix (matmul) or the active experts of a layer in one call (expert_matmul).
+// Kernel choice and its reasons: docs/decisions/0040-cuda-matmul.md.
+#pragma once
+
+#include "backend/cuda/common.cuh"
+#include "core/dtype.h"
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace prescope::cuda {
+
+/// Which kernel runs a product.
+/// GEMV: own kernel, weights streamed once per 8 tokens, converted to F32 exactly, F32 accumulation
+///   (same numerics as cpu::matmul up to summation order). Best up to a few tokens (decode).
+/// CUBLAS: activations converted to the weights' 16-bit type (BF16; F16 for F16 weights; none for
+///   F32), Q8_0 weights dequantized to BF16 in the workspace, then cublasGemmEx / cublasSgemm with
+///   F32 accumulation. Best for many tokens (prefill); costs 16-bit rounding of the activations.
+/// AUTO: GEMV when a matrix sees at most matmul_gemv_max_tokens(type) tokens, else CUBLAS. The
+///   environment variable PRESCOPE_CUDA_MATMUL=gemv|cublas turns AUTO into one of them (debugging).
+enum class MatmulPath { AUTO, GEMV, CUBLAS };
+
+/// The AUTO threshold: most tokens per matrix for which GEMV is chosen (Q8_0: 32, others: 8).
+int matmul_gemv_max_tokens(DType type);
+
+/// Workspace bytes matmul needs for these sizes and path (0 for GEMV).
+size_t matmul_workspace_bytes(DType type, int64_t n_in, int64_t n_out, int64_t n_tok,
+                              MatmulPath path = MatmulPath::AUTO);
+
+/// The CUDA twin of cpu::matmul: y[t][o] = sum_i W[o][i] * x[t][i] for t < n_tok, o < n_out.
+/// w: n_out packed rows of n_in elements of `type` on the device (ggml order: ne[0] = n_in fastest;
+/// Q8_0 rows are n_in / 32 blocks of {F16 scale, 32 int8}, core/dtype.h), 16-byte aligned (Q8_0:
+/// 2-byte); n_in % 32 == 0 for Q8_0, % 8 otherwise. x: [n_tok][n_in] F32, y: [n_tok][n_out] F32
+/// (overwritten), both device, 16-byte aligned. ws: at least matmul_workspace_bytes(...) bytes.
+/// Asynchronous on `stream` (which also orders the use of ws); no host synchronization.
+void matmul(DType type, const void *w, int64_t n_in, int64_t n_out, const float *x, int64_t n_tok, float *y,
+            Workspace ws, cudaStream_t stream, MatmulPath path = MatmulPath::AUTO);
+
+/// One grouped product: the active experts of a layer, each with the (token, slot) pairs routed to it.
+/// Pairs are numbered expert by expert: the pairs of expert e are [offsets[e], offsets[e + 1]); pair p
+/// reads row rows[p] of x (or row p when rows == nullptr, e.g. for the down projection whose input is
+/// already in pair order) and writes row p of y. The device arrays and their host copies must hold
+/// the same values (the host copies size the launch and drive the cuBLAS path; the kernels read the
+/// device ones, so no copy back is needed).
+struct ExpertMatmul {
+    DType type = DType::Q8_0;
+    int64_t n_in = 0, n_out = 0;        // every expert matrix: n_out rows of n_in elements
+    int32_t n_expert = 0;               // experts in this call (<= 65535)
+    const void *const *w_dev = nullptr;  // device [n_expert]: each expert's matrix (e.g. a GPU slot)
+    const void *const *w_host = nullptr; // host [n_expert]: the same pointers
+    const int32_t *offsets_dev = nullptr;  // device [n_expert + 1]: 0 = offsets[0] <= ... = n_pairs
+    const int32_t *offsets_host = nullptr; // host copy
+    const int32_t *rows_dev = nullptr;     // device [n_pairs] row of x for each pair, or nullptr
+};
+
+/// Pairs in the call (offsets_host[n_expert]).
+int64_t expert_matmul_pairs(const ExpertMatmul &g);
+
+/// Workspace bytes expert_matmul needs for g (0 when every expert takes the GEMV path).
+size_t expert_matmul_workspace_bytes(const ExpertMatmul &g, MatmulPath path = MatmulPath::AUTO);
+
+/// y[p] = W_e x[rows[p]] for every pair p of every expert e in g: one GEMV launch for the experts
+/// with few pairs (all of them at decode) plus, under AUTO, one cuBLAS product per expert with more
+/// than matmul_gemv_max_tokens(type) pairs. x: [>= max row + 1][n_in] F32; y: [n_pairs][n_out] F32
+/// (overwritten); alignment and dtype rules as for matmul. Experts with no pairs cost nothing.
+/// Asynchronous on `stream`.
+void expert_matmul(const ExpertMatmul &g, const float *x, float *y, Workspace ws, cudaStream_t stream,
+                   MatmulPath path = MatmulPath::AUTO);
+
+} // namespace prescope::cuda

@@ -1,0 +1,30 @@
+// MoE routing on the GPU: the router's softmax + top-k + renormalisation in one kernel, and the
+// weighted combination of the expert outputs of each token.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace prescope::cuda {
+
+/// Router of one MoE layer from its gate logits (moe_route after the gate matmul; llama.cpp
+/// build_moe_ffn, HF Qwen3MoeSparseMoeBlock): probs = softmax(logits) in F32; ids = the k largest probs
+/// in descending order (ties to the lower id, NaN below every number: cpu::top_k's order); weights =
+/// those probs, divided by their sum (summed in top-k order) when `renorm` (norm_topk_prob).
+/// logits: [n_tok][n_expert] F32; probs: [n_tok][n_expert] F32 or nullptr (not written); ids:
+/// [n_tok][k] int32; weights: [n_tok][k] F32; all on the device. n_expert <= 1024, k <= min(32, n_expert).
+/// Asynchronous on `stream`.
+void router_topk(const float *logits, int64_t n_tok, int64_t n_expert, int64_t k, bool renorm, float *probs,
+                 int32_t *ids, float *weights, cudaStream_t stream);
+
+/// out[t] = sum_{j < k} weights[t][j] * y[pair_ids[t][j]] for t < n_tok, summed in ascending j (the
+/// top-k order the CPU executor sums in); with `accumulate`, the sum starts from out[t] instead of 0.
+/// pair_ids[t][j] < 0 skips that slot (its expert ran elsewhere, e.g. on the CPU, and the caller adds
+/// its share). y: [n_pairs][n_embd] expert outputs in pair order (expert_matmul's y); out:
+/// [n_tok][n_embd]; pair_ids, weights: [n_tok][k]; all F32/int32 on the device; out must not alias y.
+/// Asynchronous on `stream`.
+void moe_combine(const float *y, const int32_t *pair_ids, const float *weights, int64_t n_tok, int64_t k,
+                 int64_t n_embd, bool accumulate, float *out, cudaStream_t stream);
+
+} // namespace prescope::cuda

@@ -1,0 +1,31 @@
+// RMSNorm kernel (norm.cuh): one block per row.
+#include "backend/cuda/norm.cuh"
+
+#include "backend/cuda/common.cuh"
+#include "backend/cuda/device.cuh"
+
+namespace prescope::cuda {
+
+namespace {
+
+__global__ void rms_norm_kernel(const float *x, const float *__restrict__ w, int64_t n, float eps, float *y) {
+    __shared__ float scratch[kWarp];
+    const float *xr = x + int64_t(blockIdx.x) * n;
+    float *yr = y + int64_t(blockIdx.x) * n;
+    float sum = 0.0f;
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) sum = fmaf(xr[i], xr[i], sum);
+    sum = block_sum(sum, scratch);  // also orders every read of x before the writes below (y may alias x)
+    const float scale = float(1.0 / sqrt(double(sum) / double(n) + double(eps)));
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) yr[i] = w[i] * (xr[i] * scale);
+}
+
+} // namespace
+
+void rms_norm(const float *x, const float *w, int64_t n_rows, int64_t n, float eps, float *y, cudaStream_t stream) {
+    CUDA_ASSERT(n > 0 && n_rows >= 0 && n_rows < (int64_t(1) << 31));
+    if (n_rows == 0) return;
+    rms_norm_kernel<<<unsigned(n_rows), row_threads(n), 0, stream>>>(x, w, n, eps, y);
+    launch_check("rms_norm", stream);
+}
+
+} // namespace prescope::cuda

@@ -1,0 +1,1027 @@
+// Tier-2 op tests (docs/style R7): every CUDA op (src/backend/cuda) against its CPU twin
+// (backend/cpu/ops.h) on fresh random inputs, in the shape of ggml's test-backend-ops, scaled down.
+//
+//   test-backend-ops [test|perf] [-o OP[,OP...]] [--json FILE] [--seed N]
+//     test (default): every case once, outputs poisoned with NaN before the run, compared with the
+//                     CPU by normalised MSE (NaN or inf never passes); one table row per case.
+//     perf:           large shapes, timed with CUDA events (L2 flushed before each run), median of
+//                     the runs, GB/s against the H200's ~4.3 TB/s HBM; --json writes one row per case.
+//   Exit: 0 all passed, 1 a case failed, 2 bad arguments, 77 no CUDA device (CTest SKIP_RETURN_CODE).
+//
+// Thresholds (normalised MSE = sum (got - ref)^2 / sum ref^2, per case):
+// - kExact 1e-8: both sides compute the same F32 arithmetic in a different order (F32 accumulation of
+//   up to 4096 terms: NMSE ~1e-11); dropping a single weight of 4096 already gives ~2e-4.
+// - kTight 1e-11: norms, softmax, elementwise ops, combine, router weights (a few ulp per element,
+//   NMSE ~1e-14); a relative error of 1e-5 in a norm's scale already gives 1e-10.
+// - cuBLAS path, activations rounded to BF16 (relative error <= 2^-9, NMSE ~1.3e-6): 1e-5; Q8_0,
+//   whose weights are rounded to BF16 as well: 2e-5; F16 activations (2^-12): 2e-7.
+// - rope 1e-7: a 1-ulp difference of powf for one frequency moves angles near 5000 rad by ~3e-4.
+// - get_rows: exact (dequantization is exact in F32 on both sides); router ids: exact.
+//
+// defines: helpers (Rng, DevBuf, nmse) | Case and one struct per op family | case lists | main
+#include "backend/cpu/ops.h"
+#include "backend/cuda/attention.cuh"
+#include "backend/cuda/common.cuh"
+#include "backend/cuda/convert.cuh"
+#include "backend/cuda/elementwise.cuh"
+#include "backend/cuda/matmul.cuh"
+#include "backend/cuda/moe.cuh"
+#include "backend/cuda/norm.cuh"
+#include "backend/cuda/rope.cuh"
+#include "backend/cuda/softmax.cuh"
+#include "core/dtype.h"
+
+#include <cuda_runtime_api.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <memory>
+#include <numeric>
+#include <string>
+#include <utility>
+#include <vector>
+
+using namespace prescope;
+namespace cu = prescope::cuda;
+
+namespace {
+
+constexpr int kSkipCode = 77;
+constexpr double kHbmGBs = 4300.0;  // H200 device-to-device copy, reference-numbers.md
+constexpr double kExact = 1e-8;
+constexpr double kTight = 1e-11;  // row and elementwise ops: a few ulp per element, no long sums
+
+cudaStream_t g_stream = nullptr;
+
+// ---------------------------------------------------------------------------------------------
+// helpers
+
+/// xoshiro128+ : fast, reproducible uniform floats.
+class Rng {
+  public:
+    explicit Rng(uint64_t seed) {
+        for (uint32_t &w : s_) {
+            seed += 0x9e3779b97f4a7c15ull;
+            uint64_t z = seed;
+            z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+            z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+            w = uint32_t(z ^ (z >> 31)) | 1u;
+        }
+    }
+    uint32_t next() {
+        const uint32_t r = s_[0] + s_[3], t = s_[1] << 9;
+        s_[2] ^= s_[0], s_[3] ^= s_[1], s_[1] ^= s_[2], s_[0] ^= s_[3], s_[2] ^= t;
+        s_[3] = (s_[3] << 11) | (s_[3] >> 21);
+        return r;
+    }
+    float uniform(float lo = -1.0f, float hi = 1.0f) { return lo + (hi - lo) * float(next() >> 8) * 0x1p-24f; }
+    int below(int n) { return int(uint64_t(next()) * uint64_t(n) >> 32); }
+    std::vector<float> floats(size_t n, float lo = -1.0f, float hi = 1.0f) {
+        std::vector<float> v(n);
+        for (float &x : v) x = uniform(lo, hi);
+        return v;
+    }
+
+  private:
+    uint32_t s_[4];
+};
+
+/// Device memory owned by a test case; copies run on g_stream.
+class DevBuf {
+  public:
+    DevBuf() = default;
+    explicit DevBuf(size_t bytes) : bytes_(bytes) { CUDA_CHECK(cudaMalloc(&ptr_, bytes ? bytes : 1)); }
+    template <class T> explicit DevBuf(const std::vector<T> &v) : DevBuf(v.size() * sizeof(T)) { upload(v.data()); }
+    DevBuf(DevBuf &&o) noexcept : ptr_(std::exchange(o.ptr_, nullptr)), bytes_(o.bytes_) {}
+    DevBuf &operator=(DevBuf &&o) noexcept {
+        std::swap(ptr_, o.ptr_);
+        std::swap(bytes_, o.bytes_);
+        return *this;
+    }
+    ~DevBuf() {
+        if (ptr_ != nullptr) cudaFree(ptr_);
+    }
+    template <class T = void> T *as() const { return static_cast<T *>(ptr_); }
+    uint8_t *bytes_ptr() const { return static_cast<uint8_t *>(ptr_); }
+    size_t size() const { return bytes_; }
+    void upload(const void *src) { CUDA_CHECK(cudaMemcpyAsync(ptr_, src, bytes_, cudaMemcpyHostToDevice, g_stream)); }
+    /// All bytes 0xff: NaN as F32, -1 as int32.
+    void poison() { CUDA_CHECK(cudaMemsetAsync(ptr_, 0xff, bytes_, g_stream)); }
+    template <class T> std::vector<T> download() const {
+        std::vector<T> v(bytes_ / sizeof(T));
+        CUDA_CHECK(cudaMemcpyAsync(v.data(), ptr_, v.size() * sizeof(T), cudaMemcpyDeviceToHost, g_stream));
+        CUDA_CHECK(cudaStreamSynchronize(g_stream));
+        return v;
+    }
+    cu::Workspace workspace() const { return {ptr_, bytes_}; }
+
+  private:
+    void *ptr_ = nullptr;
+    size_t bytes_ = 0;
+};
+
+/// Result of one comparison: err against tol; NaN/inf in the output or a NaN error fails.
+struct Check {
+    std::string what;
+    double err = 0.0;
+    double tol = 0.0;
+    bool ok = false;
+};
+
+Check nmse(const std::string &what, const std::vector<float> &got, const std::vector<float> &ref, double tol) {
+    Check c{what, 0.0, tol, false};
+    if (got.size() != ref.size()) {
+        c.err = INFINITY;
+        return c;
+    }
+    double num = 0.0, den = 0.0;
+    bool finite = true;
+    for (size_t i = 0; i < got.size(); ++i) {
+        finite &= std::isfinite(got[i]);
+        const double d = double(got[i]) - double(ref[i]);
+        num += d * d;
+        den += double(ref[i]) * double(ref[i]);
+    }
+    c.err = finite ? num / std::max(den, 1e-30) : NAN;
+    c.ok = finite && c.err <= tol;
+    return c;
+}
+
+/// Exact equality; err = number of differing elements.
+template <class T> Check exact(const std::string &what, const std::vector<T> &got, const std::vector<T> &ref) {
+    Check c{what, 0.0, 0.0, false};
+    if (got.size() != ref.size()) {
+        c.err = INFINITY;
+        return c;
+    }
+    size_t bad = 0;
+    for (size_t i = 0; i < got.size(); ++i) bad += std::memcmp(&got[i], &ref[i], sizeof(T)) != 0;
+    c.err = double(bad);
+    c.ok = bad == 0;
+    return c;
+}
+
+/// printf into a std::string (case descriptions).
+template <class... A> std::string strf(const char *f, A... a) {
+    char buf[256];
+    std::snprintf(buf, sizeof buf, f, a...);
+    return buf;
+}
+
+const char *path_name(cu::MatmulPath p) {
+    return p == cu::MatmulPath::GEMV ? "gemv" : p == cu::MatmulPath::CUBLAS ? "cublas" : "auto";
+}
+
+/// n_rows x n weights of `type` from uniform F32 values (Q8_0 through ggml's reference quantizer).
+std::vector<uint8_t> make_weights(DType type, int64_t n_rows, int64_t n, Rng &rng) {
+    std::vector<uint8_t> out(cu::row_bytes(type, n) * size_t(n_rows));
+    const std::vector<float> f = rng.floats(size_t(n_rows * n));
+    for (int64_t r = 0; r < n_rows; ++r) {
+        const float *src = f.data() + r * n;
+        uint8_t *dst = out.data() + size_t(r) * cu::row_bytes(type, n);
+        switch (type) {
+        case DType::F32: std::memcpy(dst, src, size_t(n) * 4); break;
+        case DType::F16:
+            for (int64_t i = 0; i < n; ++i) reinterpret_cast<uint16_t *>(dst)[i] = fp32_to_fp16(src[i]);
+            break;
+        case DType::BF16:
+            for (int64_t i = 0; i < n; ++i) reinterpret_cast<uint16_t *>(dst)[i] = fp32_to_bf16(src[i]);
+            break;
+        case DType::Q8_0: quantize_row_q8_0(src, reinterpret_cast<BlockQ8_0 *>(dst), n); break;
+        }
+    }
+    return out;
+}
+
+/// Tolerance of a product on `path` (resolved: GEMV or CUBLAS) for weights of `type`.
+double matmul_tol(DType type, cu::MatmulPath path) {
+    if (path == cu::MatmulPath::GEMV || type == DType::F32) return kExact;
+    return type == DType::F16 ? 2e-7 : type == DType::BF16 ? 1e-5 : 2e-5;
+}
+
+/// The path a product of n_tok tokens takes (AUTO resolved as the library does, env override included).
+cu::MatmulPath resolved_path(DType type, int64_t n_tok, cu::MatmulPath path) {
+    if (path == cu::MatmulPath::AUTO) {
+        const char *env = std::getenv("PRESCOPE_CUDA_MATMUL");
+        if (env != nullptr && std::strcmp(env, "gemv") == 0) return cu::MatmulPath::GEMV;
+        if (env != nullptr && std::strcmp(env, "cublas") == 0) return cu::MatmulPath::CUBLAS;
+        return n_tok <= cu::matmul_gemv_max_tokens(type) ? cu::MatmulPath::GEMV : cu::MatmulPath::CUBLAS;
+    }
+    return path;
+}
+
+// ---------------------------------------------------------------------------------------------
+// cases
+
+/// One op on one set of parameters. The harness calls init, then (test mode) reference, poison, run,
+/// compare; (perf mode) run repeatedly.
+struct Case {
+    virtual ~Case() = default;
+    virtual std::string op() const = 0;
+    virtual std::string vars() const = 0;
+    virtual void init(Rng &rng) = 0;          // host inputs and their device copies
+    virtual void reference() = 0;              // CPU outputs
+    virtual void poison() = 0;                 // device outputs <- NaN (in-place ops: inputs re-uploaded)
+    virtual void run() = 0;                    // the CUDA op(s) on g_stream
+    virtual std::vector<Check> compare() = 0;  // device outputs against the CPU's
+    virtual double bytes() const = 0;          // least HBM traffic of one run (perf)
+    virtual double flops() const { return 0.0; }
+};
+
+struct MatmulCase : Case {
+    DType type;
+    int64_t n_in, n_out, n_tok;
+    cu::MatmulPath path;
+    size_t misalign;  // weights start this many bytes after a 256-byte boundary (Q8_0: even)
+    std::vector<uint8_t> w;
+    std::vector<float> x, y_ref;
+    DevBuf dw, dx, dy, ws;
+
+    MatmulCase(DType t, int64_t ni, int64_t no, int64_t nt, cu::MatmulPath p = cu::MatmulPath::AUTO, size_t mis = 0)
+        : type(t), n_in(ni), n_out(no), n_tok(nt), path(p), misalign(mis) {}
+    std::string op() const override { return "matmul"; }
+    std::string vars() const override {
+        return strf("type=%s,n_in=%lld,n_out=%lld,n_tok=%lld,path=%s%s", dtype_name(type), (long long)n_in,
+                        (long long)n_out, (long long)n_tok, path_name(path), misalign ? ",misaligned" : "");
+    }
+    void init(Rng &rng) override {
+        w = make_weights(type, n_out, n_in, rng);
+        x = rng.floats(size_t(n_tok * n_in));
+        dw = DevBuf(w.size() + misalign + 16);  // misaligned rows are read in whole 16-byte granules
+        CUDA_CHECK(cudaMemcpyAsync(dw.bytes_ptr() + misalign, w.data(), w.size(), cudaMemcpyHostToDevice, g_stream));
+        dx = DevBuf(x);
+        dy = DevBuf(size_t(n_tok * n_out) * 4);
+        ws = DevBuf(cu::matmul_workspace_bytes(type, n_in, n_out, n_tok, path));
+    }
+    void reference() override {
+        y_ref.resize(size_t(n_tok * n_out));
+        cpu::matmul(type, w.data(), n_in, n_out, x.data(), n_tok, y_ref.data());
+    }
+    void poison() override { dy.poison(); }
+    void run() override {
+        cu::matmul(type, dw.bytes_ptr() + misalign, n_in, n_out, dx.as<float>(), n_tok, dy.as<float>(), ws.workspace(),
+                   g_stream, path);
+    }
+    std::vector<Check> compare() override {
+        return {nmse("y", dy.download<float>(), y_ref, matmul_tol(type, resolved_path(type, n_tok, path)))};
+    }
+    double bytes() const override { return double(w.size() + x.size() * 4 + size_t(n_tok * n_out) * 4); }
+    double flops() const override { return 2.0 * double(n_in) * double(n_out) * double(n_tok); }
+};
+
+/// Routing of n_tok tokens to k of n_expert experts, as the pair lists expert_matmul consumes.
+struct PairLists {
+    std::vector<int32_t> active;    // expert id of each group, in group order
+    std::vector<int32_t> offsets;   // [n_active + 1]
+    std::vector<int32_t> rows;      // [n_pairs] token of each pair
+    std::vector<int32_t> pair_of;   // [n_tok][k] pair index of each (token, slot)
+
+    /// ids: [n_tok][k]. Experts in ascending id; with keep_empty, n_empty extra experts with no pairs.
+    static PairLists build(const std::vector<int32_t> &ids, int64_t n_tok, int64_t k, int64_t n_expert,
+                           int64_t n_empty) {
+        PairLists p;
+        std::vector<std::vector<std::pair<int32_t, int32_t>>> by(static_cast<size_t>(n_expert));  // (token, slot)
+        for (int64_t t = 0; t < n_tok; ++t)
+            for (int64_t j = 0; j < k; ++j) by[size_t(ids[size_t(t * k + j)])].push_back({int32_t(t), int32_t(j)});
+        p.pair_of.assign(size_t(n_tok * k), -1);
+        p.offsets.push_back(0);
+        for (int64_t e = 0; e < n_expert; ++e) {
+            if (by[size_t(e)].empty()) {
+                if (n_empty <= 0) continue;
+                --n_empty;
+            }
+            p.active.push_back(int32_t(e));
+            for (auto [t, j] : by[size_t(e)]) {
+                p.pair_of[size_t(t * k + j)] = int32_t(p.rows.size());
+                p.rows.push_back(t);
+            }
+            p.offsets.push_back(int32_t(p.rows.size()));
+        }
+        return p;
+    }
+};
+
+/// k distinct random experts per token; with skew, expert 0 is in every token's list.
+std::vector<int32_t> random_routing(int64_t n_tok, int64_t k, int64_t n_expert, bool skew, Rng &rng) {
+    std::vector<int32_t> ids(size_t(n_tok * k));
+    std::vector<int32_t> perm(static_cast<size_t>(n_expert));
+    for (int64_t t = 0; t < n_tok; ++t) {
+        std::iota(perm.begin(), perm.end(), 0);
+        for (int64_t j = 0; j < k; ++j) {
+            std::swap(perm[size_t(j)], perm[size_t(j + rng.below(int(n_expert - j)))]);
+            if (skew && j == 0) std::swap(perm[0], *std::find(perm.begin(), perm.end(), 0));
+        }
+        std::copy(perm.begin(), perm.begin() + k, ids.begin() + t * k);
+    }
+    return ids;
+}
+
+/// Expert weights of one projection in "GPU slots": one device buffer, matrices at a fixed stride.
+struct ExpertSlots {
+    std::vector<std::vector<uint8_t>> host;  // [n_active] matrices
+    DevBuf buf, ptrs_dev;
+    std::vector<const void *> ptrs;
+
+    void init(DType type, int64_t n_in, int64_t n_out, size_t n_active, size_t misalign, Rng &rng) {
+        const size_t mb = cu::row_bytes(type, n_in) * size_t(n_out), stride = cu::align_256(mb) + 256;
+        host.clear();
+        for (size_t e = 0; e < n_active; ++e) host.push_back(make_weights(type, n_out, n_in, rng));
+        buf = DevBuf(stride * std::max<size_t>(n_active, 1));
+        ptrs.clear();
+        for (size_t e = 0; e < n_active; ++e) {
+            uint8_t *dst = buf.bytes_ptr() + e * stride + misalign;
+            CUDA_CHECK(cudaMemcpyAsync(dst, host[e].data(), mb, cudaMemcpyHostToDevice, g_stream));
+            ptrs.push_back(dst);
+        }
+        ptrs_dev = DevBuf(ptrs);
+    }
+    cu::ExpertMatmul group(DType type, int64_t n_in, int64_t n_out, const PairLists &p, const DevBuf &offsets_dev,
+                           const DevBuf *rows_dev) const {
+        cu::ExpertMatmul g;
+        g.type = type, g.n_in = n_in, g.n_out = n_out, g.n_expert = int32_t(p.active.size());
+        g.w_dev = ptrs_dev.as<const void *const>(), g.w_host = ptrs.data();
+        g.offsets_dev = offsets_dev.as<const int32_t>(), g.offsets_host = p.offsets.data();
+        g.rows_dev = rows_dev != nullptr ? rows_dev->as<const int32_t>() : nullptr;
+        return g;
+    }
+};
+
+/// CPU reference of a grouped product: y[p] = W_e x[row of p].
+void expert_matmul_ref(DType type, int64_t n_in, int64_t n_out, const ExpertSlots &slots, const PairLists &p,
+                       const float *x, bool gather, std::vector<float> &y) {
+    y.assign(p.rows.size() * size_t(n_out), 0.0f);
+    std::vector<float> xg;
+    for (size_t g = 0; g + 1 < p.offsets.size(); ++g) {
+        const int64_t p0 = p.offsets[g], n = p.offsets[g + 1] - p0;
+        if (n == 0) continue;
+        xg.resize(size_t(n * n_in));
+        for (int64_t i = 0; i < n; ++i) {
+            const int64_t src = gather ? p.rows[size_t(p0 + i)] : p0 + i;
+            std::copy_n(x + src * n_in, n_in, xg.begin() + i * n_in);
+        }
+        cpu::matmul(type, slots.host[g].data(), n_in, n_out, xg.data(), n, y.data() + p0 * n_out);
+    }
+}
+
+/// Loosest tolerance over the experts' paths in one grouped call.
+double expert_tol(DType type, const PairLists &p, cu::MatmulPath path) {
+    double tol = kExact;
+    for (size_t g = 0; g + 1 < p.offsets.size(); ++g) {
+        const int64_t n = p.offsets[g + 1] - p.offsets[g];
+        if (n > 0) tol = std::max(tol, matmul_tol(type, resolved_path(type, n, path)));
+    }
+    return tol;
+}
+
+struct ExpertMatmulCase : Case {
+    DType type;
+    int64_t n_in, n_out, n_expert, k, n_tok;
+    bool gather, skew;
+    cu::MatmulPath path;
+    size_t misalign;
+    PairLists p;
+    ExpertSlots slots;
+    std::vector<float> x, y_ref;
+    DevBuf dx, dy, doff, drows, ws;
+
+    ExpertMatmulCase(DType t, int64_t ni, int64_t no, int64_t ne, int64_t kk, int64_t nt, bool ga, bool sk = false,
+                     cu::MatmulPath pa = cu::MatmulPath::AUTO, size_t mis = 0)
+        : type(t), n_in(ni), n_out(no), n_expert(ne), k(kk), n_tok(nt), gather(ga), skew(sk), path(pa), misalign(mis) {}
+    std::string op() const override { return "expert_matmul"; }
+    std::string vars() const override {
+        return strf("type=%s,n_in=%lld,n_out=%lld,experts=%lld,k=%lld,n_tok=%lld,%s%s,path=%s%s",
+                    dtype_name(type), (long long)n_in, (long long)n_out, (long long)n_expert,
+                    (long long)k, (long long)n_tok, gather ? "gather" : "pair-order",
+                    skew ? ",skewed" : "", path_name(path), misalign ? ",misaligned" : "");
+    }
+    void init(Rng &rng) override {
+        p = PairLists::build(random_routing(n_tok, k, n_expert, skew, rng), n_tok, k, n_expert, 2);
+        slots.init(type, n_in, n_out, p.active.size(), misalign, rng);
+        x = rng.floats(size_t((gather ? n_tok : int64_t(p.rows.size())) * n_in));
+        dx = DevBuf(x);
+        dy = DevBuf(p.rows.size() * size_t(n_out) * 4);
+        doff = DevBuf(p.offsets);
+        drows = DevBuf(p.rows);
+        ws = DevBuf(cu::expert_matmul_workspace_bytes(group(), path));
+    }
+    cu::ExpertMatmul group() const { return slots.group(type, n_in, n_out, p, doff, gather ? &drows : nullptr); }
+    void reference() override { expert_matmul_ref(type, n_in, n_out, slots, p, x.data(), gather, y_ref); }
+    void poison() override { dy.poison(); }
+    void run() override { cu::expert_matmul(group(), dx.as<float>(), dy.as<float>(), ws.workspace(), g_stream, path); }
+    std::vector<Check> compare() override {
+        return {nmse("y", dy.download<float>(), y_ref, expert_tol(type, p, path))};
+    }
+    double bytes() const override {
+        return double(slots.host.size() * cu::row_bytes(type, n_in) * size_t(n_out)) + double(x.size() * 4) +
+               double(p.rows.size() * size_t(n_out) * 4);
+    }
+    double flops() const override { return 2.0 * double(n_in) * double(n_out) * double(p.rows.size()); }
+};
+
+/// A whole routed-expert FFN on the GPU (gate and up with gather, SwiGLU, down, combine) against the
+/// same composition of CPU ops: checks that the pieces fit (pair order, combine indices).
+struct MoeFfnCase : Case {
+    DType type;
+    int64_t n_embd, n_ff, n_expert, k, n_tok;
+    PairLists p;
+    std::vector<int32_t> ids;
+    std::vector<float> x, wts, out_ref;
+    ExpertSlots gate, up, down;
+    DevBuf dx, dg, du, dd, dout, doff, drows, dpair, dw, ws;
+
+    MoeFfnCase(DType t, int64_t ne_, int64_t nf, int64_t nexp, int64_t kk, int64_t nt)
+        : type(t), n_embd(ne_), n_ff(nf), n_expert(nexp), k(kk), n_tok(nt) {}
+    std::string op() const override { return "moe_ffn"; }
+    std::string vars() const override {
+        return strf("type=%s,n_embd=%lld,n_ff=%lld,experts=%lld,k=%lld,n_tok=%lld", dtype_name(type),
+                    (long long)n_embd, (long long)n_ff, (long long)n_expert, (long long)k,
+                    (long long)n_tok);
+    }
+    void init(Rng &rng) override {
+        ids = random_routing(n_tok, k, n_expert, false, rng);
+        p = PairLists::build(ids, n_tok, k, n_expert, 0);
+        gate.init(type, n_embd, n_ff, p.active.size(), 0, rng);
+        up.init(type, n_embd, n_ff, p.active.size(), 0, rng);
+        down.init(type, n_ff, n_embd, p.active.size(), 0, rng);
+        x = rng.floats(size_t(n_tok * n_embd));
+        wts = rng.floats(size_t(n_tok * k), 0.0f, 1.0f);
+        const size_t np = p.rows.size();
+        dx = DevBuf(x), dw = DevBuf(wts), doff = DevBuf(p.offsets), drows = DevBuf(p.rows), dpair = DevBuf(p.pair_of);
+        dg = DevBuf(np * size_t(n_ff) * 4), du = DevBuf(np * size_t(n_ff) * 4), dd = DevBuf(np * size_t(n_embd) * 4);
+        dout = DevBuf(size_t(n_tok * n_embd) * 4);
+        ws = DevBuf(std::max(cu::expert_matmul_workspace_bytes(gate.group(type, n_embd, n_ff, p, doff, &drows)),
+                             cu::expert_matmul_workspace_bytes(down.group(type, n_ff, n_embd, p, doff, nullptr))));
+    }
+    void reference() override {
+        std::vector<float> g, u, d;
+        expert_matmul_ref(type, n_embd, n_ff, gate, p, x.data(), true, g);
+        expert_matmul_ref(type, n_embd, n_ff, up, p, x.data(), true, u);
+        cpu::swiglu(g.data(), u.data(), g.data(), int64_t(g.size()));
+        expert_matmul_ref(type, n_ff, n_embd, down, p, g.data(), false, d);
+        out_ref.assign(size_t(n_tok * n_embd), 0.0f);
+        for (int64_t t = 0; t < n_tok; ++t)
+            for (int64_t j = 0; j < k; ++j) {
+                const float *yr = d.data() + int64_t(p.pair_of[size_t(t * k + j)]) * n_embd;
+                for (int64_t i = 0; i < n_embd; ++i) out_ref[size_t(t * n_embd + i)] += wts[size_t(t * k + j)] * yr[i];
+            }
+    }
+    void poison() override {
+        dg.poison(), du.poison(), dd.poison(), dout.poison();
+    }
+    void run() override {
+        const int64_t np = int64_t(p.rows.size());
+        cu::expert_matmul(gate.group(type, n_embd, n_ff, p, doff, &drows), dx.as<float>(), dg.as<float>(),
+                          ws.workspace(), g_stream);
+        cu::expert_matmul(up.group(type, n_embd, n_ff, p, doff, &drows), dx.as<float>(), du.as<float>(),
+                          ws.workspace(), g_stream);
+        cu::swiglu(dg.as<float>(), du.as<float>(), dg.as<float>(), np * n_ff, g_stream);
+        cu::expert_matmul(down.group(type, n_ff, n_embd, p, doff, nullptr), dg.as<float>(), dd.as<float>(),
+                          ws.workspace(), g_stream);
+        cu::moe_combine(dd.as<float>(), dpair.as<int32_t>(), dw.as<float>(), n_tok, k, n_embd, false, dout.as<float>(),
+                        g_stream);
+    }
+    std::vector<Check> compare() override {
+        return {nmse("out", dout.download<float>(), out_ref, 2.0 * expert_tol(type, p, cu::MatmulPath::AUTO))};
+    }
+    double bytes() const override {
+        return 3.0 * double(p.active.size() * cu::row_bytes(type, n_embd) * size_t(n_ff)) + double(x.size() * 8);
+    }
+};
+
+struct RmsNormCase : Case {
+    int64_t n_rows, n;
+    bool in_place;
+    std::vector<float> x, w, y_ref;
+    DevBuf dx, dw, dy;
+    RmsNormCase(int64_t r, int64_t nn, bool ip = false) : n_rows(r), n(nn), in_place(ip) {}
+    std::string op() const override { return "rms_norm"; }
+    std::string vars() const override {
+        return strf("n_rows=%lld,n=%lld%s", (long long)n_rows, (long long)n, in_place ? ",in-place" : "");
+    }
+    void init(Rng &rng) override {
+        x = rng.floats(size_t(n_rows * n), -3.0f, 3.0f), w = rng.floats(size_t(n), 0.5f, 1.5f);
+        dx = DevBuf(x), dw = DevBuf(w), dy = DevBuf(x.size() * 4);
+    }
+    void reference() override {
+        y_ref.resize(x.size());
+        cpu::rms_norm(x.data(), w.data(), n_rows, n, 1e-6f, y_ref.data());
+    }
+    void poison() override { in_place ? dx.upload(x.data()) : dy.poison(); }
+    void run() override {
+        cu::rms_norm(dx.as<float>(), dw.as<float>(), n_rows, n, 1e-6f, (in_place ? dx : dy).as<float>(), g_stream);
+    }
+    std::vector<Check> compare() override { return {nmse("y", (in_place ? dx : dy).download<float>(), y_ref, kTight)}; }
+    double bytes() const override { return double(x.size() * 8 + w.size() * 4); }
+};
+
+struct RopeCase : Case {
+    int64_t n_tok, n_head, head_dim;
+    cpu::RopeMode mode;
+    float freq_base;
+    int32_t max_pos;
+    std::vector<float> x, y_ref;
+    std::vector<int32_t> pos;
+    DevBuf dx, dpos;
+    RopeCase(int64_t nt, int64_t nh, int64_t hd, cpu::RopeMode m, float base, int32_t mp)
+        : n_tok(nt), n_head(nh), head_dim(hd), mode(m), freq_base(base), max_pos(mp) {}
+    std::string op() const override { return "rope"; }
+    std::string vars() const override {
+        return strf("n_tok=%lld,n_head=%lld,head_dim=%lld,mode=%s,base=%g,max_pos=%d", (long long)n_tok,
+                    (long long)n_head, (long long)head_dim,
+                    mode == cpu::RopeMode::NORM ? "norm" : "neox", double(freq_base), max_pos);
+    }
+    void init(Rng &rng) override {
+        x = rng.floats(size_t(n_tok * n_head * head_dim));
+        pos.resize(size_t(n_tok));
+        for (int32_t &q : pos) q = rng.below(max_pos + 1);
+        dx = DevBuf(x), dpos = DevBuf(pos);
+    }
+    void reference() override {
+        y_ref = x;
+        cpu::rope(y_ref.data(), n_tok, n_head, head_dim, pos.data(), freq_base, mode);
+    }
+    void poison() override { dx.upload(x.data()); }
+    void run() override {
+        cu::rope(dx.as<float>(), n_tok, n_head, head_dim, dpos.as<int32_t>(), freq_base, mode, g_stream);
+    }
+    std::vector<Check> compare() override { return {nmse("x", dx.download<float>(), y_ref, 1e-7)}; }
+    double bytes() const override { return double(x.size() * 8); }
+};
+
+struct AttentionCase : Case {
+    int64_t n_tok, pos0, n_head, n_head_kv, head_dim;
+    float q_scale;  // larger queries sharpen the softmax (exercises the running-max rescale)
+    bool with_ws;
+    std::vector<float> q, kc, vc, out_ref;
+    DevBuf dq, dk, dv, dout, ws;
+    AttentionCase(int64_t nt, int64_t p0, int64_t nh, int64_t nkv, int64_t hd, float qs = 1.0f, bool w = true)
+        : n_tok(nt), pos0(p0), n_head(nh), n_head_kv(nkv), head_dim(hd), q_scale(qs), with_ws(w) {}
+    std::string op() const override { return "attention"; }
+    std::string vars() const override {
+        return strf("n_tok=%lld,pos0=%lld,n_head=%lld,n_head_kv=%lld,head_dim=%lld,q_scale=%g%s",
+                    (long long)n_tok, (long long)pos0, (long long)n_head, (long long)n_head_kv,
+                    (long long)head_dim, double(q_scale), with_ws ? "" : ",no-split");
+    }
+    void init(Rng &rng) override {
+        const size_t n_kv = size_t(pos0 + n_tok);
+        q = rng.floats(size_t(n_tok * n_head * head_dim), -q_scale, q_scale);
+        kc = rng.floats(n_kv * size_t(n_head_kv * head_dim)), vc = rng.floats(n_kv * size_t(n_head_kv * head_dim));
+        dq = DevBuf(q), dk = DevBuf(kc), dv = DevBuf(vc), dout = DevBuf(q.size() * 4);
+        ws = DevBuf(with_ws ? cu::attention_workspace_bytes(n_tok, pos0, n_head, n_head_kv, head_dim) : 0);
+    }
+    float scale() const { return 1.0f / std::sqrt(float(head_dim)); }
+    void reference() override {
+        out_ref.resize(q.size());
+        cpu::attention(q.data(), kc.data(), vc.data(), n_tok, pos0, n_head, n_head_kv, head_dim, scale(),
+                       out_ref.data());
+    }
+    void poison() override { dout.poison(); }
+    void run() override {
+        cu::attention(dq.as<float>(), dk.as<float>(), dv.as<float>(), n_tok, pos0, n_head, n_head_kv, head_dim, scale(),
+                      dout.as<float>(), with_ws ? ws.workspace() : cu::Workspace{}, g_stream);
+    }
+    std::vector<Check> compare() override { return {nmse("out", dout.download<float>(), out_ref, kExact)}; }
+    double bytes() const override { return double(q.size() * 8) + double(kc.size() + vc.size()) * 4.0; }
+    double flops() const override {
+        return 4.0 * double(n_tok) * double(n_head) * double(head_dim) * double(pos0 + (n_tok + 1) / 2);
+    }
+};
+
+struct SoftmaxCase : Case {
+    int64_t n_rows, n;
+    std::vector<float> x, y_ref;
+    DevBuf dx;
+    SoftmaxCase(int64_t r, int64_t nn) : n_rows(r), n(nn) {}
+    std::string op() const override { return "softmax"; }
+    std::string vars() const override { return strf("n_rows=%lld,n=%lld", (long long)n_rows, (long long)n); }
+    void init(Rng &rng) override { x = rng.floats(size_t(n_rows * n), -8.0f, 8.0f), dx = DevBuf(x); }
+    void reference() override { y_ref = x, cpu::softmax(y_ref.data(), n_rows, n); }
+    void poison() override { dx.upload(x.data()); }
+    void run() override { cu::softmax(dx.as<float>(), n_rows, n, g_stream); }
+    std::vector<Check> compare() override { return {nmse("x", dx.download<float>(), y_ref, kTight)}; }
+    double bytes() const override { return double(x.size() * 8); }
+};
+
+struct RouterCase : Case {
+    int64_t n_tok, n_expert, k;
+    bool renorm, ties;  // ties: logits from {-1, 0, 1, 2}, so equal probabilities are common
+    std::vector<float> logits, probs_ref, w_ref;
+    std::vector<int32_t> ids_ref;
+    DevBuf dlogits, dprobs, dids, dw;
+    RouterCase(int64_t nt, int64_t ne, int64_t kk, bool rn, bool ti = false)
+        : n_tok(nt), n_expert(ne), k(kk), renorm(rn), ties(ti) {}
+    std::string op() const override { return "router_topk"; }
+    std::string vars() const override {
+        return strf("n_tok=%lld,n_expert=%lld,k=%lld,renorm=%d%s", (long long)n_tok, (long long)n_expert,
+                    (long long)k, int(renorm), ties ? ",ties" : "");
+    }
+    void init(Rng &rng) override {
+        logits = rng.floats(size_t(n_tok * n_expert), -4.0f, 4.0f);
+        if (ties)
+            for (float &v : logits) v = float(rng.below(4) - 1);
+        dlogits = DevBuf(logits), dprobs = DevBuf(logits.size() * 4);
+        dids = DevBuf(size_t(n_tok * k) * 4), dw = DevBuf(size_t(n_tok * k) * 4);
+    }
+    void reference() override {  // moe_route's steps after the gate matmul
+        probs_ref = logits;
+        cpu::softmax(probs_ref.data(), n_tok, n_expert);
+        ids_ref.resize(size_t(n_tok * k)), w_ref.resize(size_t(n_tok * k));
+        for (int64_t t = 0; t < n_tok; ++t) {
+            float *w = w_ref.data() + t * k;
+            cpu::top_k(probs_ref.data() + t * n_expert, n_expert, k, ids_ref.data() + t * k, w);
+            if (!renorm) continue;
+            float sum = 0.0f;
+            for (int64_t j = 0; j < k; ++j) sum += w[j];
+            for (int64_t j = 0; j < k; ++j) w[j] /= sum;
+        }
+    }
+    void poison() override { dprobs.poison(), dids.poison(), dw.poison(); }
+    void run() override {
+        cu::router_topk(dlogits.as<float>(), n_tok, n_expert, k, renorm, dprobs.as<float>(), dids.as<int32_t>(),
+                        dw.as<float>(), g_stream);
+    }
+    std::vector<Check> compare() override {
+        return {exact("ids", dids.download<int32_t>(), ids_ref), nmse("weights", dw.download<float>(), w_ref, kTight),
+                nmse("probs", dprobs.download<float>(), probs_ref, kTight)};
+    }
+    double bytes() const override { return double(logits.size() * 8 + size_t(n_tok * k) * 8); }
+};
+
+/// Elementwise ops: swiglu, add, scale_add, add_bias (one struct, the op picked by name).
+struct EltCase : Case {
+    std::string name;
+    int64_t n_tok, n;  // add_bias: n_tok rows of n; others: n_tok * n elements
+    std::vector<float> a, b, y_ref;
+    DevBuf da, db, dy;
+    EltCase(std::string nm, int64_t nt, int64_t nn) : name(std::move(nm)), n_tok(nt), n(nn) {}
+    std::string op() const override { return name; }
+    std::string vars() const override { return strf("n_tok=%lld,n=%lld", (long long)n_tok, (long long)n); }
+    int64_t total() const { return n_tok * n; }
+    void init(Rng &rng) override {
+        a = rng.floats(size_t(total()), -4.0f, 4.0f);
+        b = rng.floats(size_t(name == "add_bias" ? n : total()));
+        da = DevBuf(a), db = DevBuf(b), dy = DevBuf(a.size() * 4);
+    }
+    void reference() override {
+        y_ref = a;
+        if (name == "swiglu") cpu::swiglu(a.data(), b.data(), y_ref.data(), total());
+        if (name == "add" || name == "scale_add")
+            for (size_t i = 0; i < a.size(); ++i) y_ref[i] = a[i] + (name == "add" ? 1.0f : 0.37f) * b[i];
+        if (name == "add_bias") cpu::add_bias(y_ref.data(), b.data(), n_tok, n);
+    }
+    bool in_place() const { return name == "scale_add" || name == "add_bias"; }
+    void poison() override { in_place() ? da.upload(a.data()) : dy.poison(); }
+    void run() override {
+        if (name == "swiglu") cu::swiglu(da.as<float>(), db.as<float>(), dy.as<float>(), total(), g_stream);
+        if (name == "add") cu::add(da.as<float>(), db.as<float>(), dy.as<float>(), total(), g_stream);
+        if (name == "scale_add") cu::scale_add(da.as<float>(), db.as<float>(), 0.37f, total(), g_stream);
+        if (name == "add_bias") cu::add_bias(da.as<float>(), db.as<float>(), n_tok, n, g_stream);
+    }
+    std::vector<Check> compare() override {
+        return {nmse("y", (in_place() ? da : dy).download<float>(), y_ref, kTight)};
+    }
+    double bytes() const override { return double(a.size() * 8 + b.size() * 4); }
+};
+
+struct GetRowsCase : Case {
+    DType type;
+    int64_t n_vocab, n_embd, n_tok;
+    std::vector<uint8_t> table;
+    std::vector<int32_t> ids;
+    std::vector<float> out_ref;
+    DevBuf dtable, dids, dout;
+    GetRowsCase(DType t, int64_t nv, int64_t ne, int64_t nt) : type(t), n_vocab(nv), n_embd(ne), n_tok(nt) {}
+    std::string op() const override { return "get_rows"; }
+    std::string vars() const override {
+        return strf("type=%s,n_vocab=%lld,n_embd=%lld,n_tok=%lld", dtype_name(type), (long long)n_vocab,
+                    (long long)n_embd, (long long)n_tok);
+    }
+    void init(Rng &rng) override {
+        table = make_weights(type, n_vocab, n_embd, rng);
+        ids.resize(size_t(n_tok));
+        for (int32_t &i : ids) i = rng.below(int(n_vocab));
+        ids.push_back(int32_t(n_vocab));  // one id out of range: must come back as a NaN row
+        dtable = DevBuf(table), dids = DevBuf(ids), dout = DevBuf(ids.size() * size_t(n_embd) * 4);
+    }
+    void reference() override {
+        out_ref.resize(size_t(n_tok * n_embd));
+        TensorView tv;
+        tv.type = type, tv.ne = {n_embd, n_vocab, 1, 1}, tv.data = table.data();
+        cpu::get_rows(tv, ids.data(), n_tok, out_ref.data());
+    }
+    void poison() override { dout.poison(); }
+    void run() override {
+        cu::get_rows(type, dtable.as(), n_embd, n_vocab, dids.as<int32_t>(), int64_t(ids.size()), dout.as<float>(),
+                     g_stream);
+    }
+    std::vector<Check> compare() override {
+        std::vector<float> got = dout.download<float>();
+        const bool bad_row_nan = std::all_of(got.end() - n_embd, got.end(), [](float v) { return std::isnan(v); });
+        got.resize(size_t(n_tok * n_embd));
+        return {exact("rows", got, out_ref), Check{"bad-id-row-is-nan", bad_row_nan ? 0.0 : 1.0, 0.0, bad_row_nan}};
+    }
+    double bytes() const override {
+        return double(n_tok) * double(cu::row_bytes(type, n_embd) + size_t(n_embd) * 4);
+    }
+};
+
+struct CombineCase : Case {
+    int64_t n_tok, k, n_embd;
+    bool accumulate;
+    std::vector<float> y, wts, out0, out_ref;
+    std::vector<int32_t> pair_of;
+    DevBuf dy, dw, dpair, dout;
+    CombineCase(int64_t nt, int64_t kk, int64_t ne, bool acc) : n_tok(nt), k(kk), n_embd(ne), accumulate(acc) {}
+    std::string op() const override { return "moe_combine"; }
+    std::string vars() const override {
+        return strf("n_tok=%lld,k=%lld,n_embd=%lld,accumulate=%d", (long long)n_tok, (long long)k,
+                    (long long)n_embd, int(accumulate));
+    }
+    void init(Rng &rng) override {
+        const int64_t n_pairs = n_tok * k;
+        y = rng.floats(size_t(n_pairs * n_embd)), wts = rng.floats(size_t(n_pairs), 0.0f, 1.0f);
+        out0 = rng.floats(size_t(n_tok * n_embd));
+        pair_of.resize(size_t(n_pairs));
+        std::iota(pair_of.begin(), pair_of.end(), 0);
+        for (size_t i = pair_of.size(); i > 1; --i) std::swap(pair_of[i - 1], pair_of[size_t(rng.below(int(i)))]);
+        for (int32_t &v : pair_of)
+            if (rng.below(5) == 0) v = -1;  // an expert that ran on the CPU
+        dy = DevBuf(y), dw = DevBuf(wts), dpair = DevBuf(pair_of), dout = DevBuf(out0.size() * 4);
+    }
+    void reference() override {
+        out_ref = accumulate ? out0 : std::vector<float>(out0.size(), 0.0f);
+        for (int64_t t = 0; t < n_tok; ++t)
+            for (int64_t j = 0; j < k; ++j) {
+                const int32_t p = pair_of[size_t(t * k + j)];
+                if (p < 0) continue;
+                for (int64_t i = 0; i < n_embd; ++i)
+                    out_ref[size_t(t * n_embd + i)] += wts[size_t(t * k + j)] * y[size_t(p * n_embd + i)];
+            }
+    }
+    void poison() override { accumulate ? dout.upload(out0.data()) : dout.poison(); }
+    void run() override {
+        cu::moe_combine(dy.as<float>(), dpair.as<int32_t>(), dw.as<float>(), n_tok, k, n_embd, accumulate,
+                        dout.as<float>(), g_stream);
+    }
+    std::vector<Check> compare() override { return {nmse("out", dout.download<float>(), out_ref, kTight)}; }
+    double bytes() const override { return double(y.size() * 4 + out0.size() * (accumulate ? 8 : 4)); }
+};
+
+// ---------------------------------------------------------------------------------------------
+// case lists
+
+using CaseList = std::vector<std::unique_ptr<Case>>;
+constexpr DType kWeightTypes[] = {DType::F32, DType::F16, DType::BF16, DType::Q8_0};
+
+template <class T, class... A> void add(CaseList &l, A &&...a) {
+    l.push_back(std::make_unique<T>(std::forward<A>(a)...));
+}
+
+CaseList test_cases() {
+    using P = cu::MatmulPath;
+    CaseList l;
+    for (DType t : kWeightTypes) {
+        // Qwen3-30B-A3B experts (2048 x 768 gate/up, 768 x 2048 down), decode to prefill sizes.
+        for (int64_t nt : {1, 3, 8, 32, 77}) add<MatmulCase>(l, t, 2048, 768, nt);
+        add<MatmulCase>(l, t, 768, 2048, 1);
+        add<MatmulCase>(l, t, 768, 2048, 64);
+        // both paths at one size; odd sizes (rows not a multiple of 8, partial slices)
+        add<MatmulCase>(l, t, 2048, 768, 5, P::CUBLAS);
+        add<MatmulCase>(l, t, 2048, 768, 70, P::GEMV);
+        add<MatmulCase>(l, t, 96, 33, 5);
+        add<MatmulCase>(l, t, 4160, 130, 2);
+        add<MatmulCase>(l, t, 4160, 130, 40, P::CUBLAS);
+        // tiny models: demo (256 / 64 / 32 experts), topo (64 / 32), router gate, vocab head
+        add<MatmulCase>(l, t, 256, 64, 1);
+        add<MatmulCase>(l, t, 64, 256, 9);
+        add<MatmulCase>(l, t, 64, 32, 2);
+        add<MatmulCase>(l, t, 2048, 128, 1);
+        add<MatmulCase>(l, t, 256, 8192, 4);
+    }
+    add<MatmulCase>(l, DType::Q8_0, 2048, 768, 1, P::GEMV, 2);     // Q8_0 rows off 16-byte alignment
+    add<MatmulCase>(l, DType::Q8_0, 2048, 768, 100, P::CUBLAS, 6);
+    add<MatmulCase>(l, DType::Q8_0, 2048, 16384, 40, P::CUBLAS);   // dequantized in two pieces
+
+    for (DType t : {DType::Q8_0, DType::BF16, DType::F16, DType::F32}) {
+        add<ExpertMatmulCase>(l, t, 2048, 768, 128, 8, 1, true);        // decode: 8 experts, 1 token
+        add<ExpertMatmulCase>(l, t, 768, 2048, 128, 8, 1, false);
+        add<ExpertMatmulCase>(l, t, 2048, 768, 128, 8, 4, true);
+        add<ExpertMatmulCase>(l, t, 2048, 768, 128, 8, 64, true);      // prefill: ~4 tokens per expert
+        add<ExpertMatmulCase>(l, t, 2048, 768, 128, 8, 64, true, true); // one expert with 64: both paths
+        add<ExpertMatmulCase>(l, t, 768, 2048, 128, 8, 40, false, false, P::CUBLAS);
+        add<ExpertMatmulCase>(l, t, 256, 64, 32, 4, 9, true);          // demo
+        add<ExpertMatmulCase>(l, t, 32, 64, 128, 8, 5, false);         // topo down
+    }
+    add<ExpertMatmulCase>(l, DType::Q8_0, 2048, 768, 128, 8, 3, true, false, P::GEMV, 2);
+    add<ExpertMatmulCase>(l, DType::Q8_0, 768, 2048, 128, 8, 50, false, true, P::AUTO, 10);
+
+    add<MoeFfnCase>(l, DType::Q8_0, 2048, 768, 128, 8, 1);
+    add<MoeFfnCase>(l, DType::BF16, 2048, 768, 128, 8, 1);
+    add<MoeFfnCase>(l, DType::Q8_0, 2048, 768, 128, 8, 48);
+    add<MoeFfnCase>(l, DType::Q8_0, 256, 64, 32, 4, 17);
+    add<MoeFfnCase>(l, DType::F32, 64, 32, 128, 8, 6);
+
+    for (auto [r, n] : {std::pair<int64_t, int64_t>{1, 2048}, {7, 2048}, {5 * 32, 128}, {3, 256}, {5, 100}, {2, 8192}})
+        add<RmsNormCase>(l, r, n);
+    add<RmsNormCase>(l, 4, 2048, true);
+
+    for (cpu::RopeMode m : {cpu::RopeMode::NORM, cpu::RopeMode::NEOX}) {
+        add<RopeCase>(l, 1, 32, 128, m, 1e6f, 5000);
+        add<RopeCase>(l, 37, 4, 128, m, 1e6f, 4096);
+        add<RopeCase>(l, 7, 4, 64, m, 1e4f, 300);
+        add<RopeCase>(l, 16, 2, 16, m, 1e6f, 4096);
+    }
+
+    add<AttentionCase>(l, 1, 0, 32, 4, 128);         // first decode step
+    add<AttentionCase>(l, 1, 200, 32, 4, 128);
+    add<AttentionCase>(l, 1, 4095, 32, 4, 128);      // splits the keys
+    add<AttentionCase>(l, 1, 4095, 32, 4, 128, 1.0f, false);
+    add<AttentionCase>(l, 4, 1000, 32, 4, 128, 4.0f);
+    add<AttentionCase>(l, 64, 0, 32, 4, 128);        // prefill
+    add<AttentionCase>(l, 17, 100, 4, 2, 64, 4.0f);  // demo
+    add<AttentionCase>(l, 33, 0, 4, 2, 16);          // topo
+    add<AttentionCase>(l, 5, 3, 2, 1, 32);           // smoke
+    add<AttentionCase>(l, 3, 10, 16, 16, 128);       // no GQA (OLMoE)
+    add<AttentionCase>(l, 2, 50, 32, 2, 256);        // 16 heads per KV head, head_dim 256
+    add<AttentionCase>(l, 1, 70000, 8, 1, 64);       // long context, 8 queries over one KV head
+
+    for (auto [r, n] : {std::pair<int64_t, int64_t>{1, 128}, {64, 128}, {5, 7}, {3, 151936}}) add<SoftmaxCase>(l, r, n);
+
+    add<RouterCase>(l, 1, 128, 8, true);   // Qwen3-30B-A3B
+    add<RouterCase>(l, 64, 128, 8, true);
+    add<RouterCase>(l, 5, 60, 4, false);   // Qwen2-MoE
+    add<RouterCase>(l, 3, 8, 2, true);     // Mixtral
+    add<RouterCase>(l, 7, 64, 8, false);   // OLMoE
+    add<RouterCase>(l, 9, 32, 4, true);    // demo
+    add<RouterCase>(l, 2, 256, 8, true);
+    add<RouterCase>(l, 2, 1024, 32, false);
+    add<RouterCase>(l, 16, 128, 8, true, true);  // equal probabilities: lower id first
+
+    for (const char *name : {"swiglu", "add", "scale_add", "add_bias"}) {
+        add<EltCase>(l, name, 1, 768);
+        add<EltCase>(l, name, 64, 2048);
+        add<EltCase>(l, name, 3, 1001);
+    }
+    for (DType t : kWeightTypes) {
+        add<GetRowsCase>(l, t, 8192, 256, 7);
+        add<GetRowsCase>(l, t, 32000, 2048, 5);
+    }
+    add<CombineCase>(l, 1, 8, 2048, false);
+    add<CombineCase>(l, 64, 8, 2048, true);
+    add<CombineCase>(l, 9, 4, 256, false);
+    return l;
+}
+
+CaseList perf_cases() {
+    CaseList l;
+    for (DType t : {DType::Q8_0, DType::BF16}) {
+        add<MatmulCase>(l, t, 2048, 768, 1);                    // one expert matrix
+        add<ExpertMatmulCase>(l, t, 2048, 768, 128, 8, 1, true); // decode, 8 experts (gate or up)
+        add<ExpertMatmulCase>(l, t, 768, 2048, 128, 8, 1, false);
+        add<ExpertMatmulCase>(l, t, 2048, 768, 128, 8, 512, true); // prefill 512 tokens
+        add<MatmulCase>(l, t, 2048, 4096, 1);                   // q projection (32 x 128)
+        add<MatmulCase>(l, t, 4096, 2048, 512);                 // o projection, prefill
+        add<MatmulCase>(l, t, 2048, 151936, 1);                 // output head, decode
+    }
+    add<MoeFfnCase>(l, DType::Q8_0, 2048, 768, 128, 8, 1);
+    add<MatmulCase>(l, DType::F32, 2048, 128, 1);               // router gate (F32 in GGUFs)
+    for (int64_t ctx : {512, 4096, 32768}) add<AttentionCase>(l, 1, ctx - 1, 32, 4, 128);
+    add<AttentionCase>(l, 512, 0, 32, 4, 128);
+    add<RouterCase>(l, 1, 128, 8, true);
+    add<RouterCase>(l, 512, 128, 8, true);
+    add<RmsNormCase>(l, 1, 2048);
+    add<RmsNormCase>(l, 512, 2048);
+    add<RopeCase>(l, 512, 32, 128, cpu::RopeMode::NEOX, 1e6f, 4096);
+    add<SoftmaxCase>(l, 1, 151936);
+    add<EltCase>(l, "swiglu", 4096, 768);
+    add<GetRowsCase>(l, DType::Q8_0, 151936, 2048, 512);
+    add<CombineCase>(l, 512, 8, 2048, false);
+    return l;
+}
+
+// ---------------------------------------------------------------------------------------------
+// main
+
+bool selected(const std::vector<std::string> &ops, const std::string &op) {
+    return ops.empty() || std::find(ops.begin(), ops.end(), op) != ops.end();
+}
+
+int run_tests(CaseList &cases, const std::vector<std::string> &ops, uint64_t seed) {
+    int n_run = 0, n_ok = 0;
+    std::printf("%-14s %-78s %-9s %10s %10s  %s\n", "OP", "VARS", "CHECK", "ERR", "TOL", "RESULT");
+    for (size_t i = 0; i < cases.size(); ++i) {
+        Case &c = *cases[i];
+        if (!selected(ops, c.op())) continue;
+        Rng rng(seed + i);
+        c.init(rng);
+        c.reference();
+        c.poison();
+        c.run();
+        CUDA_CHECK(cudaStreamSynchronize(g_stream));
+        bool ok = true;
+        for (const Check &k : c.compare()) {
+            ok &= k.ok;
+            std::printf("%-14s %-78s %-9s %10.2e %10.2e  %s\n", c.op().c_str(), c.vars().c_str(), k.what.c_str(), k.err,
+                        k.tol, k.ok ? "OK" : "FAIL");
+        }
+        ++n_run, n_ok += ok;
+        cases[i].reset();  // frees the case's device memory
+    }
+    std::printf("\n%d/%d cases passed%s\n", n_ok, n_run, n_ok == n_run ? "" : "  <-- FAILURES");
+    return n_ok == n_run ? 0 : 1;
+}
+
+int run_perf(CaseList &cases, const std::vector<std::string> &ops, uint64_t seed, const std::string &json_path) {
+    DevBuf flush(size_t(256) << 20);  // several times the 60 MB L2
+    cudaEvent_t e0, e1;
+    CUDA_CHECK(cudaEventCreate(&e0));
+    CUDA_CHECK(cudaEventCreate(&e1));
+    nlohmann::json rows = nlohmann::json::array();
+    std::printf("%-14s %-78s %6s %10s %10s %8s %9s\n", "OP", "VARS", "RUNS", "US", "GB/S", "%HBM", "TFLOP/S");
+    for (size_t i = 0; i < cases.size(); ++i) {
+        Case &c = *cases[i];
+        if (!selected(ops, c.op())) continue;
+        Rng rng(seed + i);
+        c.init(rng);
+        for (int w = 0; w < 2; ++w) c.run();  // warm-up (cuBLAS handles, first-launch costs)
+        std::vector<float> us;
+        float total_ms = 0.0f;
+        while (us.size() < 5 || (us.size() < 50 && total_ms < 200.0f)) {
+            CUDA_CHECK(cudaMemsetAsync(flush.as(), int(us.size() & 0xff), flush.size(), g_stream));
+            CUDA_CHECK(cudaEventRecord(e0, g_stream));
+            c.run();
+            CUDA_CHECK(cudaEventRecord(e1, g_stream));
+            CUDA_CHECK(cudaEventSynchronize(e1));
+            float ms = 0.0f;
+            CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+            us.push_back(ms * 1000.0f), total_ms += ms;
+        }
+        std::sort(us.begin(), us.end());
+        const double med = us[us.size() / 2], gbs = c.bytes() / (med * 1e3), tflops = c.flops() / (med * 1e6);
+        std::printf("%-14s %-78s %6zu %10.2f %10.1f %7.1f%% %9.2f\n", c.op().c_str(), c.vars().c_str(), us.size(), med,
+                    gbs, 100.0 * gbs / kHbmGBs, tflops);
+        rows.push_back({{"op", c.op()}, {"vars", c.vars()}, {"runs", us.size()}, {"median_us", med},
+                        {"min_us", us.front()}, {"bytes", c.bytes()}, {"gb_s", gbs}, {"hbm_share", gbs / kHbmGBs},
+                        {"tflop_s", tflops}});
+        cases[i].reset();
+    }
+    CUDA_CHECK(cudaEventDestroy(e0));
+    CUDA_CHECK(cudaEventDestroy(e1));
+    if (!json_path.empty()) {
+        std::ofstream f(json_path);
+        for (const auto &r : rows) f << r.dump() << "\n";
+        std::printf("\nwrote %zu rows to %s\n", rows.size(), json_path.c_str());
+    }
+    return 0;
+}
+
+} // namespace
+
+int main(int argc, char **argv) {
+    std::setvbuf(stdout, nullptr, _IOLBF, 0);  // rows reach the log even if a later case aborts
+    std::string mode = "test", json_path;
+    std::vector<std::string> ops;
+    uint64_t seed = 1234;
+    for (int i = 1; i < argc; ++i) {
+        const std::string a = argv[i];
+        if (a == "test" || a == "perf") {
+            mode = a;
+        } else if ((a == "-o" || a == "--json" || a == "--seed") && i + 1 < argc) {
+            const std::string v = argv[++i];
+            if (a == "--json") json_path = v;
+            if (a == "--seed") seed = std::stoull(v);
+            for (size_t p = 0; a == "-o" && p <= v.size();) {
+                const size_t q = std::min(v.find(',', p), v.size());
+                ops.push_back(v.substr(p, q - p));
+                p = q + 1;
+            }
+        } else {
+            std::fprintf(stderr, "usage: %s [test|perf] [-o OP[,OP...]] [--json FILE] [--seed N]\n", argv[0]);
+            return 2;
+        }
+    }
+
+    int n_dev = 0;
+    const cudaError_t err = cudaGetDeviceCount(&n_dev);
+    if (err != cudaSuccess || n_dev == 0) {
+        std::printf("test-backend-ops: no CUDA device (%s); skipping\n",
+                    err != cudaSuccess ? cudaGetErrorString(err) : "0 devices");
+        return kSkipCode;
+    }
+    cudaDeviceProp prop{};
+    CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+    std::printf("test-backend-ops %s: %s, %d SMs, %.1f GiB, cc %d.%d, seed %llu, %d CPU threads, CPU ISA %s\n\n",
+                mode.c_str(), prop.name, prop.multiProcessorCount, double(prop.totalGlobalMem) / (1 << 30), prop.major,
+                prop.minor, (unsigned long long)seed, cpu::get_threads(), cpu::cpu_isa_name(cpu::get_cpu_isa()));
+    CUDA_CHECK(cudaStreamCreateWithFlags(&g_stream, cudaStreamNonBlocking));
+    cu::cublas_handle();
+
+    CaseList cases = mode == "perf" ? perf_cases() : test_cases();
+    const int rc = mode == "perf" ? run_perf(cases, ops, seed, json_path) : run_tests(cases, ops, seed);
+    CUDA_CHECK(cudaStreamDestroy(g_stream));
+    return rc;
+}
