@@ -4,8 +4,13 @@
 #include "arch/arch.h"
 #include "core/error.h"
 
+#include <nlohmann/json.hpp>
+
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <fstream>
+#include <iterator>
 
 namespace prescope {
 
@@ -59,6 +64,58 @@ std::vector<std::vector<float>> FatePredictor::read_routers(const Model &model) 
         auto &r = out[size_t(l)];
         r.resize(size_t(hp.n_expert * hp.n_embd));
         for (int64_t e = 0; e < hp.n_expert; ++e) dequantize_row(g.type, g.row(e), r.data() + e * hp.n_embd, hp.n_embd);
+    }
+    return out;
+}
+
+std::vector<std::vector<float>> FatePredictor::read_routers_safetensors(const std::string &path, int32_t n_layers,
+                                                                        int32_t n_experts, int64_t dim) {
+    // safetensors: uint64 LE header size, JSON {name: {dtype, shape, data_offsets: [begin, end]}}, then data.
+    std::ifstream in(path, std::ios::binary);
+    if (!in) fail("{}: cannot open the safetensors file", path);
+    const std::string data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    uint64_t hlen = 0;
+    if (data.size() < 8) fail("{}: too short for a safetensors file", path);
+    std::memcpy(&hlen, data.data(), 8);
+    if (hlen > data.size() - 8) fail("{}: safetensors header length {} runs past the end of the file", path, hlen);
+    nlohmann::json h;
+    try {
+        h = nlohmann::json::parse(data.begin() + 8, data.begin() + 8 + int64_t(hlen));
+    } catch (const nlohmann::json::exception &e) {
+        fail("{}: safetensors header is not valid JSON ({})", path, e.what());
+    }
+    const uint64_t base = 8 + hlen;
+    std::vector<std::vector<float>> out(static_cast<size_t>(n_layers));
+    for (int32_t l = 0; l < n_layers; ++l) {
+        std::string name = "layers." + std::to_string(l) + ".mlp.gate.weight";
+        if (!h.contains(name)) name = "model." + name;
+        if (!h.contains(name)) fail("{}: no tensor layers.{}.mlp.gate.weight (the router of layer {})", path, l, l);
+        const nlohmann::json &t = h[name];
+        const std::string dtype = t.value("dtype", "");
+        const auto shape = t.value("shape", std::vector<int64_t>{});
+        const auto off = t.value("data_offsets", std::vector<uint64_t>{});
+        const size_t esize = dtype == "F32" ? 4 : dtype == "F16" || dtype == "BF16" ? 2 : 0;
+        if (esize == 0) fail("{}: tensor {} has dtype {}, expected F32, F16 or BF16", path, name, dtype);
+        if (shape != std::vector<int64_t>{n_experts, dim}) {
+            fail("{}: tensor {} has shape {}, expected [{}, {}]", path, name, nlohmann::json(shape).dump(), n_experts, dim);
+        }
+        const uint64_t n = uint64_t(n_experts) * uint64_t(dim);
+        if (off.size() != 2 || off[1] < off[0] || off[1] - off[0] != n * esize || base + off[1] > data.size()) {
+            fail("{}: tensor {} has data_offsets {} that do not fit its shape or the file", path, name,
+                 t.value("data_offsets", nlohmann::json()).dump());
+        }
+        auto &r = out[size_t(l)];
+        r.resize(size_t(n));
+        const char *src = data.data() + base + off[0];
+        for (uint64_t i = 0; i < n; ++i) {
+            if (esize == 4) {
+                std::memcpy(&r[size_t(i)], src + 4 * i, 4);
+            } else {
+                uint16_t v;
+                std::memcpy(&v, src + 2 * i, 2);
+                r[size_t(i)] = dtype == "F16" ? fp16_to_fp32(v) : bf16_to_fp32(v);
+            }
+        }
     }
     return out;
 }

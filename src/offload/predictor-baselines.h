@@ -36,6 +36,11 @@ class FatePredictor final : public ScoringPredictor {
                   int32_t max_tokens = 1, int32_t max_window = 8);
     /// The router matrices of a loaded model (ffn_gate_inp of each layer, any supported dtype, as F32).
     static std::vector<std::vector<float>> read_routers(const Model &model);
+    /// The router matrices from an HF safetensors file: tensors [model.]layers.{l}.mlp.gate.weight of shape
+    /// [n_experts][dim] in F32, F16 or BF16 (as traces/topo-routers.safetensors holds them). Throws
+    /// prescope::Error naming the file and tensor on a missing tensor, wrong shape or dtype, or bad offsets.
+    static std::vector<std::vector<float>> read_routers_safetensors(const std::string &path, int32_t n_layers,
+                                                                     int32_t n_experts, int64_t dim);
     const char *name() const override { return "fate"; }
     bool needs_hidden() const override { return true; }
     void score(const PredictorInput &in, std::span<float> scores) override;

@@ -142,8 +142,9 @@ EvalResult evaluate_predictor(ScoringPredictor *p, const RoutingTrace &t, const 
         if (p) p->reset();
         for (int64_t i = b[0]; i < b[1]; ++i) {
             const bool covered = !hidden || row_of[size_t(i)] >= 0;
-            const bool show = p && (covered || !p->needs_hidden());
-            if (hidden && covered) {
+            if (!covered) continue;  // with a sidecar, only its tokens are replayed (every predictor alike)
+            const bool show = p != nullptr;
+            if (hidden) {
                 for (int32_t l = 0; l < L; ++l) hidden->dequantize(row_of[size_t(i)], l, x.data() + size_t(l) * size_t(D));
             }
             if (oracle) oracle->set_token(i);
@@ -155,7 +156,7 @@ EvalResult evaluate_predictor(ScoringPredictor *p, const RoutingTrace &t, const 
                     cache->release_layer(l);
                 }
                 if (show) {
-                    const PredictorInput in{l, L, W, ids, 1, K, hidden && covered ? x.data() + size_t(l) * size_t(D) : nullptr, D};
+                    const PredictorInput in{l, L, W, ids, 1, K, hidden ? x.data() + size_t(l) * size_t(D) : nullptr, D};
                     p->score(in, scores);
                 }
                 if (cache && show) cache->begin_prefetch_round();
@@ -172,7 +173,6 @@ EvalResult evaluate_predictor(ScoringPredictor *p, const RoutingTrace &t, const 
                     if (cache && show) {
                         for (int32_t j = 0; j < std::min(n_pred, pf); ++j) cache->prefetch(l + d, order[size_t(j)]);
                     }
-                    if (!covered) continue;
                     const int32_t np = std::min(n_pred, kp);
                     const uint8_t *actual = t.ids(i, l + d);
                     int32_t hits = 0;
@@ -186,7 +186,7 @@ EvalResult evaluate_predictor(ScoringPredictor *p, const RoutingTrace &t, const 
                     ++c.n;
                 }
             }
-            if (covered) ++r.n_tokens;
+            ++r.n_tokens;
         }
     }
     if (cache) {

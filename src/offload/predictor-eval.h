@@ -55,7 +55,8 @@ struct EvalResult {
 /// Replays `t` token by token (decode order; reset() at each sequence start), calling `p` after each layer
 /// routes with that token's routing (and router input from `hidden`, when given), and scores the top k_pred
 /// experts of each layer l+d (d <= window) against the experts the token really used there. With a sidecar,
-/// only the tokens it covers are scored (and only they are shown to a predictor that needs_hidden()).
+/// only the tokens it covers are replayed (so every predictor is judged on the same tokens; a sequence's
+/// history then starts at its first covered token).
 /// p == nullptr evaluates `none` (no predictions). An OraclePredictor is pointed at each token first.
 /// With cache_slots, an ExpertCache (bookkeeping only) is replayed alongside: each layer acquires its routed
 /// experts, then the predictor's top prefetch_per_layer experts of each predicted layer are prefetched.

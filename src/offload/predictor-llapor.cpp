@@ -229,7 +229,7 @@ LlaporMlpNet::LlaporMlpNet(LlaporConfig cfg, uint64_t seed) : cfg_(std::move(cfg
             ps_.add(p + "wg", {H, H}, 1.0f / std::sqrt(float(H)), sd + 4);
             ps_.add(p + "bg", {H}, 0.0f, 0);
         }
-        ps_.add(p + "wo", {WE, H}, 1.0f / std::sqrt(float(H)), sd + 5);
+        ps_.add(p + "wo", {L, WE, H}, 1.0f / std::sqrt(float(H)), sd + 5);  // per layer: like its routers
         ps_.add(p + "bo", {WE}, 0.0f, 0);
         ps_.add(p + "bl", {L, WE}, 0.0f, 0);
     }
@@ -305,7 +305,7 @@ void LlaporMlpNet::forward(int32_t layer, int64_t n, const float *x, float *logi
     } else {
         std::copy_n(tp.u1.begin(), n * H, tp.u.begin());
     }
-    nn::linear(tp.u.data(), n, H, ps_[G.wo].value.data(), ps_[G.bo].value.data(), WE, logits);
+    nn::linear(tp.u.data(), n, H, ps_[G.wo].value.data() + int64_t(layer) * WE * H, ps_[G.bo].value.data(), WE, logits);
     const float *bl = ps_[G.bl].value.data() + int64_t(layer) * WE;
     for (int64_t t = 0; t < n; ++t) {
         for (int64_t o = 0; o < WE; ++o) logits[t * WE + o] += bl[o];
@@ -320,7 +320,8 @@ void LlaporMlpNet::backward(int32_t layer, int64_t n, const Tape &tp, const floa
     if (scratch.size() < size_t(6 * n * H)) scratch.resize(size_t(6 * n * H));
     float *du = scratch.data(), *du1 = du + n * H, *dr = du1 + n * H, *dv = dr + n * H, *ds = dv + n * H,
           *da1 = ds + n * H;
-    nn::linear_backward(tp.u.data(), dlogits, n, H, ps_[G.wo].value.data(), WE, ps_[G.wo].grad.data(),
+    const int64_t wo_off = int64_t(layer) * WE * H;
+    nn::linear_backward(tp.u.data(), dlogits, n, H, ps_[G.wo].value.data() + wo_off, WE, ps_[G.wo].grad.data() + wo_off,
                         ps_[G.bo].grad.data(), du);
     float *dbl = ps_[G.bl].grad.data() + int64_t(layer) * WE;
     for (int64_t t = 0; t < n; ++t) {

@@ -84,7 +84,8 @@ class LlaporLstmNet {
 /// middle group one block and a gated residual block u + sigmoid(Wg u) * W3 GELU(W2 u); then a linear head to
 /// the logits of layers l+1..l+window (plus a per-layer bias). Parameters: pca.mean [L][D], pca.proj [L][p][D]
 /// (not trained), then per group g{g}.w1 [H][p], g{g}.b1 [H], g{g}.wl [L][H] (layer embedding), and for deep
-/// groups g{g}.w2, w3, wg [H][H] with b2, b3, bg [H]; g{g}.wo [wE][H], g{g}.bo [wE], g{g}.bl [L][wE].
+/// groups g{g}.w2, w3, wg [H][H] with b2, b3, bg [H]; g{g}.wo [L][wE][H] (a read-out per layer, as each layer has
+/// its own routers; the paper has one predictor per MoE block), g{g}.bo [wE], g{g}.bl [L][wE].
 class LlaporMlpNet {
   public:
     LlaporMlpNet(LlaporConfig cfg, uint64_t seed);

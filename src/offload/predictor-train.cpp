@@ -476,9 +476,18 @@ TrainResult train_llapor(const RoutingTrace &train, const HiddenTrace *hidden, c
         std::vector<float> x;
         fit_pca(net, *hidden, x);
         MlpData data{train, *hidden, hidden->flat_token_indices(train)};
-        // Sidecar rows of fitting and validation sequences.
+        // Sidecar rows of fitting and validation sequences; the validation sequences are picked among the
+        // sequences the sidecar covers.
+        std::vector<int64_t> covered;
+        for (const auto &r : hidden->token_ranges) {
+            if (covered.empty() || covered.back() != r[0]) covered.push_back(r[0]);
+        }
         std::vector<uint8_t> is_val(train.sequences.size(), 0);
-        for (int64_t s : val_seqs) is_val[size_t(s)] = 1;
+        int64_t n_val = 0;
+        for (size_t i = 0; i < covered.size(); ++i) {
+            if (int64_t(i) % opt.val_every == opt.val_every - 1) is_val[size_t(covered[i])] = 1, ++n_val;
+        }
+        if (n_val == 0 && covered.size() > 1) is_val[size_t(covered.back())] = 1;
         std::vector<int64_t> fit_rows, val_rows;
         int64_t row = 0;
         for (const auto &r : hidden->token_ranges) {

@@ -108,7 +108,7 @@ void register_train_predictor(CLI::App &app) {
 void register_eval_predictor(CLI::App &app) {
     struct Args {
         SplitArgs split;
-        std::string predictor, model, json_out, metric = "topk_accuracy", groups = "auto", policy = "lru";
+        std::string predictor, model, routers, json_out, metric = "topk_accuracy", groups = "auto", policy = "lru";
         EvalOptions opt;
         double decay = 0.9;
         int threads = 1;
@@ -120,6 +120,8 @@ void register_eval_predictor(CLI::App &app) {
     cmd->add_option("--predictor", a->predictor, "none, frequency, recency, fate, oracle, or a LLaPor file")
         ->required();
     cmd->add_option("-m,--model", a->model, "model GGUF (fate reads its routers)")->check(CLI::ExistingFile);
+    cmd->add_option("--routers", a->routers, "fate without a GGUF: HF safetensors with layers.N.mlp.gate.weight")
+        ->check(CLI::ExistingFile);
     cmd->add_option("--metric", a->metric, "topk_accuracy: recall@k, precision@k, exact top-k match")
         ->check(CLI::IsMember({"topk_accuracy"}))->capture_default_str();
     cmd->add_option("--window", a->opt.window, "distances 1..window")->capture_default_str();
@@ -153,8 +155,15 @@ void register_eval_predictor(CLI::App &app) {
                 warm.window = a->opt.window;
                 evaluate_predictor(p.get(), train, nullptr, warm, "warm-up");
             }
+        } else if (spec == "fate" && !a->routers.empty()) {
+            if (!d.hidden) fail("--predictor fate needs the router inputs: pass --hidden");
+            p = std::make_unique<FatePredictor>(shape, d.hidden->dim,
+                                                FatePredictor::read_routers_safetensors(a->routers, t.n_layer,
+                                                                                        t.n_expert, d.hidden->dim));
         } else if (spec == "fate") {
-            if (a->model.empty()) fail("--predictor fate reads the routers from the model: pass -m MODEL.gguf");
+            if (a->model.empty()) {
+                fail("--predictor fate reads the routers: pass -m MODEL.gguf or --routers FILE.safetensors");
+            }
             const auto model = Model::load(a->model);
             if (model->hp().n_layer != t.n_layer || model->hp().n_expert != t.n_expert) {
                 fail("{}: {} layers and {} experts, but the trace has {} and {}", a->model, model->hp().n_layer,
