@@ -82,6 +82,7 @@ need_header yaml-cpp/yaml.h libyaml-cpp-dev
 need_header spdlog/spdlog.h libspdlog-dev
 need_header fmt/format.h libfmt-dev
 need_header gtest/gtest.h libgtest-dev
+need_header benchmark/benchmark.h libbenchmark-dev
 need_header cblas.h libopenblas-dev
 need_header pcre2.h libpcre2-dev -DPCRE2_CODE_UNIT_WIDTH=8
 need_header zstd.h libzstd-dev

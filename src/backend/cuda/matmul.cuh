@@ -33,8 +33,9 @@ size_t matmul_workspace_bytes(DType type, int64_t n_in, int64_t n_out, int64_t n
 /// The CUDA twin of cpu::matmul: y[t][o] = sum_i W[o][i] * x[t][i] for t < n_tok, o < n_out.
 /// w: n_out packed rows of n_in elements of `type` on the device (ggml order: ne[0] = n_in fastest;
 /// Q8_0 rows are n_in / 32 blocks of {F16 scale, 32 int8}, core/dtype.h), 16-byte aligned (Q8_0:
-/// 2-byte); n_in % 32 == 0 for Q8_0, % 8 otherwise. x: [n_tok][n_in] F32, y: [n_tok][n_out] F32
-/// (overwritten), both device, 16-byte aligned. ws: at least matmul_workspace_bytes(...) bytes.
+/// 2-byte: such rows are read in whole aligned 16-byte pieces, which never leave the allocation's pages);
+/// n_in % 32 == 0 for Q8_0, % 8 otherwise. x: [n_tok][n_in] F32, y: [n_tok][n_out] F32 (overwritten,
+/// must not overlap x), both device, 16-byte aligned. ws: at least matmul_workspace_bytes(...) bytes.
 /// Asynchronous on `stream` (which also orders the use of ws); no host synchronization.
 void matmul(DType type, const void *w, int64_t n_in, int64_t n_out, const float *x, int64_t n_tok, float *y,
             Workspace ws, cudaStream_t stream, MatmulPath path = MatmulPath::AUTO);
@@ -59,7 +60,9 @@ struct ExpertMatmul {
 /// Pairs in the call (offsets_host[n_expert]).
 int64_t expert_matmul_pairs(const ExpertMatmul &g);
 
-/// Workspace bytes expert_matmul needs for g (0 when every expert takes the GEMV path).
+/// Workspace bytes expert_matmul needs for g (0 when every expert takes the GEMV path). With
+/// MatmulPath::CUBLAS and every pair on one expert it is the most any call of that many pairs can need:
+/// n_pairs * n_in * 2 bytes (+ a dequantization buffer of <= 32 MiB for Q8_0), rounded to 256.
 size_t expert_matmul_workspace_bytes(const ExpertMatmul &g, MatmulPath path = MatmulPath::AUTO);
 
 /// y[p] = W_e x[rows[p]] for every pair p of every expert e in g: one GEMV launch for the experts
