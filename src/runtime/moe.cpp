@@ -3,8 +3,6 @@
 
 #include "core/error.h"
 
-#include <omp.h>
-
 #include <algorithm>
 
 namespace prescope {
@@ -42,62 +40,65 @@ void cpu_expert_ffn(const TensorView &gate, const TensorView &up, const TensorVi
 CpuExpertExecutor::CpuExpertExecutor(const Model &model, int64_t max_tokens)
     : model_(model), max_tokens_(max_tokens) {
     const HParams &hp = model.hp();
+    const size_t pairs = size_t(max_tokens * hp.n_expert_used);
     count_.resize(size_t(hp.n_expert));
     offset_.resize(size_t(hp.n_expert) + 1);
     fill_.resize(size_t(hp.n_expert));
-    active_.reserve(size_t(hp.n_expert));
-    order_.resize(size_t(max_tokens * hp.n_expert_used));
-    slot_out_.resize(size_t(max_tokens * hp.n_expert_used * hp.n_embd));
-    // Per thread: gathered x [m][n_embd], gate+up [m][2 n_ff], output [m][n_embd]; m <= max_tokens.
-    scratch_.resize(size_t(omp_get_max_threads()));
+    order_.resize(pairs);
+    row_of_.resize(pairs);
+    xg_.resize(pairs * size_t(hp.n_embd));
+    gate_.resize(pairs * size_t(hp.n_ff_exp));
+    up_.resize(pairs * size_t(hp.n_ff_exp));
+    y_.resize(pairs * size_t(hp.n_embd));
+    jobs_.reserve(2 * size_t(hp.n_expert));
 }
 
 void CpuExpertExecutor::run(int64_t layer, const float *x, const Routing &r, float *out) {
     const HParams &hp = model_.hp();
     const LayerWeights &l = model_.weights().layers[size_t(layer)];
-    const int64_t n_embd = hp.n_embd, n_ff = hp.n_ff_exp, k = r.k, n_tok = r.n_tok;
-    PRESCOPE_ASSERT(n_tok <= max_tokens_);
-    if (scratch_.size() < size_t(omp_get_max_threads())) scratch_.resize(size_t(omp_get_max_threads()));
+    const int64_t n_embd = hp.n_embd, n_ff = hp.n_ff_exp, k = r.k, n_pairs = r.n_tok * r.k;
+    PRESCOPE_ASSERT(r.n_tok <= max_tokens_ && k == hp.n_expert_used);
 
-    // Counting sort of the (token, slot) pairs by expert.
+    // Counting sort of the (token, slot) pairs by expert; gather their inputs in that order.
     std::fill(count_.begin(), count_.end(), 0);
-    for (int64_t i = 0; i < n_tok * k; ++i) count_[size_t(r.ids[size_t(i)])]++;
+    for (int64_t i = 0; i < n_pairs; ++i) count_[size_t(r.ids[size_t(i)])]++;
     offset_[0] = 0;
     for (int64_t e = 0; e < hp.n_expert; ++e) offset_[size_t(e) + 1] = offset_[size_t(e)] + count_[size_t(e)];
     std::copy(offset_.begin(), offset_.end() - 1, fill_.begin());
-    for (int64_t i = 0; i < n_tok * k; ++i) order_[size_t(fill_[size_t(r.ids[size_t(i)])]++)] = int32_t(i);
+    for (int64_t i = 0; i < n_pairs; ++i) {
+        const int32_t row = fill_[size_t(r.ids[size_t(i)])]++;
+        order_[size_t(row)] = int32_t(i);
+        row_of_[size_t(i)] = row;
+    }
+    for (int64_t row = 0; row < n_pairs; ++row) {
+        std::copy_n(x + (order_[size_t(row)] / k) * n_embd, n_embd, xg_.data() + row * n_embd);
+    }
 
-    active_.clear();
+    // gate and up of every active expert in one batch, SwiGLU, then down in one batch.
+    jobs_.clear();
     for (int64_t e = 0; e < hp.n_expert; ++e) {
-        if (count_[size_t(e)] > 0) active_.push_back(int32_t(e));
+        if (count_[size_t(e)] == 0) continue;
+        const int64_t first = offset_[size_t(e)];
+        jobs_.push_back({l.gate_exps.matrix(e), xg_.data() + first * n_embd, count_[size_t(e)], gate_.data() + first * n_ff});
+        jobs_.push_back({l.up_exps.matrix(e), xg_.data() + first * n_embd, count_[size_t(e)], up_.data() + first * n_ff});
     }
-    auto run_expert = [&](int32_t e, std::vector<float> &buf) {
-        const int64_t m = count_[size_t(e)];
-        buf.resize(size_t(m * (2 * n_embd + 2 * n_ff)));
-        float *xg = buf.data(), *y = xg + m * n_embd, *scratch = y + m * n_embd;
-        const int32_t *pairs = order_.data() + offset_[size_t(e)];
-        for (int64_t i = 0; i < m; ++i) {
-            std::copy_n(x + (pairs[i] / k) * n_embd, n_embd, xg + i * n_embd);
-        }
-        cpu_expert_ffn(l.gate_exps, l.up_exps, l.down_exps, e, xg, m, scratch, y);
-        for (int64_t i = 0; i < m; ++i) {
-            std::copy_n(y + i * n_embd, n_embd, slot_out_.data() + int64_t(pairs[i]) * n_embd);
-        }
-    };
-    // Many active experts: one expert per thread. Few: experts in turn, each matmul threaded.
-    if (int64_t(active_.size()) >= omp_get_max_threads()) {
-#pragma omp parallel for schedule(dynamic, 1)
-        for (size_t i = 0; i < active_.size(); ++i) run_expert(active_[i], scratch_[size_t(omp_get_thread_num())]);
-    } else {
-        for (int32_t e : active_) run_expert(e, scratch_[0]);
+    cpu::matmul_batch(l.gate_exps.type, n_embd, n_ff, jobs_.data(), int64_t(jobs_.size()));
+    cpu::swiglu(gate_.data(), up_.data(), gate_.data(), n_pairs * n_ff);
+    jobs_.clear();
+    for (int64_t e = 0; e < hp.n_expert; ++e) {
+        if (count_[size_t(e)] == 0) continue;
+        const int64_t first = offset_[size_t(e)];
+        jobs_.push_back({l.down_exps.matrix(e), gate_.data() + first * n_ff, count_[size_t(e)], y_.data() + first * n_embd});
     }
+    cpu::matmul_batch(l.down_exps.type, n_ff, n_embd, jobs_.data(), int64_t(jobs_.size()));
 
-    for (int64_t t = 0; t < n_tok; ++t) {
+    // Weighted sum in top-k order (HF and llama.cpp add the k expert outputs in that order).
+    for (int64_t t = 0; t < r.n_tok; ++t) {
         float *o = out + t * n_embd;
         std::fill_n(o, n_embd, 0.0f);
         for (int64_t j = 0; j < k; ++j) {
             const float w = r.weights[size_t(t * k + j)];
-            const float *y = slot_out_.data() + (t * k + j) * n_embd;
+            const float *y = y_.data() + int64_t(row_of_[size_t(t * k + j)]) * n_embd;
             for (int64_t c = 0; c < n_embd; ++c) o[c] += w * y[c];
         }
     }

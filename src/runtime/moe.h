@@ -34,8 +34,9 @@ class ExpertExecutor {
     virtual void run(int64_t layer, const float *x, const Routing &r, float *out) = 0;
 };
 
-/// Runs every expert on the CPU from the mapped weights. Buffers are sized once for up to
-/// max_tokens tokens per call; larger calls throw (a bug in the caller).
+/// Runs every expert on the CPU from the mapped weights: the (token, slot) pairs are grouped by
+/// expert, then each projection of all active experts is one cpu::matmul_batch (one parallel region
+/// per projection instead of one per expert). Buffers are sized once for up to max_tokens tokens.
 class CpuExpertExecutor final : public ExpertExecutor {
   public:
     CpuExpertExecutor(const Model &model, int64_t max_tokens);
@@ -44,10 +45,13 @@ class CpuExpertExecutor final : public ExpertExecutor {
   private:
     const Model &model_;
     int64_t max_tokens_;
-    std::vector<int32_t> count_, offset_, fill_, order_;  // per-expert (token, slot) lists (counting sort)
-    std::vector<int32_t> active_;                         // experts with at least one token
-    std::vector<float> slot_out_;                  // [max_tokens][k][n_embd]: each (token, slot) output
-    std::vector<std::vector<float>> scratch_;      // per thread: gathered x, gate, up, down rows
+    std::vector<int32_t> count_, offset_, fill_;  // per expert: pairs, first sorted row, fill cursor
+    std::vector<int32_t> order_;                  // sorted row -> pair index (t * k + j)
+    std::vector<int32_t> row_of_;                 // pair index -> sorted row
+    std::vector<float> xg_;                       // [max_tokens * k][n_embd] gathered inputs, by expert
+    std::vector<float> gate_, up_;                // [max_tokens * k][n_ff]
+    std::vector<float> y_;                        // [max_tokens * k][n_embd] expert outputs, by expert
+    std::vector<cpu::MatmulJob> jobs_;            // reused job lists
 };
 
 /// Runs one expert on the CPU for m gathered rows: y[m][n_embd] = down(silu(gate(x)) * up(x)).
