@@ -1,0 +1,361 @@
+// The hybrid CPU/GPU MoE block (runtime/hybrid-moe.h) on a fake device: the tiny test models run through
+// the whole offload path (expert store, hot-expert table, copy engine, loader, decisions, prefetch, combine)
+// with "GPU" experts computed on the host from the bytes that reached their slots. Offloading must not
+// change the numbers: the logits equal the plain CPU executor's bit for bit, whatever the budget.
+#include "arch/arch.h"
+#include "core/error.h"
+#include "offload/copy-engine.h"
+#include "offload/expert-cache.h"
+#include "offload/expert-loader.h"
+#include "offload/expert-store.h"
+#include "offload/fake-backend.h"
+#include "offload/placement.h"
+#include "offload/predictor-baselines.h"
+#include "runtime/context.h"
+#include "runtime/hybrid-moe.h"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <filesystem>
+
+using namespace prescope;
+namespace fs = std::filesystem;
+
+namespace {
+
+fs::path model_path(const std::string &arch, const std::string &file) {
+    return fs::path(PRESCOPE_SOURCE_DIR) / "tests/data/models" / arch / file;
+}
+
+// The device half on the fake backend: GPU experts read their slots through the compute stream (so they
+// see exactly the bytes the copies delivered, after the waits the loader queued) and run on the host.
+class FakeMoeDevice final : public MoeDevice {
+  public:
+    FakeMoeDevice(FakeBackend &backend, const ExpertStore &store, const Model &model, int64_t max_tokens)
+        : backend_(backend), store_(store), n_embd_(model.hp().n_embd) {
+        compute_ = backend.stream_create();
+        const size_t pairs = size_t(max_tokens * model.hp().n_expert_used);
+        gpu_out_.resize(pairs * size_t(n_embd_));
+        cpu_out_.resize(pairs * size_t(n_embd_));
+    }
+    ~FakeMoeDevice() override {
+        backend_.stream_synchronize(compute_);
+        backend_.stream_destroy(compute_);
+    }
+    void set_io(const float *x, float *out) {
+        x_ = x;
+        out_ = out;
+    }
+    Stream compute_stream() override { return compute_; }
+    void launch_gpu(const MoeStep &s) override {
+        const ExpertLayout &layout = store_.layout(s.layer);
+        slot_copies_.resize(size_t(s.n_gpu));
+        for (int32_t i = 0; i < s.n_gpu; ++i) {
+            slot_copies_[size_t(i)].assign(layout.bytes, 0);
+            backend_.copy_d2h_async(slot_copies_[size_t(i)].data(), s.gpu_expert[size_t(i)], layout.bytes, compute_);
+        }
+        backend_.stream_synchronize(compute_);
+        std::vector<float> xg, scratch;
+        for (int32_t i = 0; i < s.n_gpu; ++i) {
+            const int64_t first = s.gpu_offsets[size_t(i)], m = s.gpu_offsets[size_t(i) + 1] - first;
+            xg.resize(size_t(m * n_embd_));
+            scratch.resize(size_t(m * 2 * layout.n_ff));
+            for (int64_t p = 0; p < m; ++p) {
+                std::memcpy(&xg[size_t(p * n_embd_)], x_ + s.gpu_rows[size_t(first + p)] * n_embd_,
+                            size_t(n_embd_) * 4);
+            }
+            const ExpertViews v = ExpertStore::canonical_views(layout, slot_copies_[size_t(i)].data());
+            cpu_expert_ffn(v.gate, v.up, v.down, 0, xg.data(), m, scratch.data(), &gpu_out_[size_t(first * n_embd_)]);
+        }
+        ++launches_;
+    }
+    float *cpu_out() override { return cpu_out_.data(); }
+    void combine(const MoeStep &s) override {
+        ASSERT_EQ(s.k_comb, s.k);
+        for (int64_t t = 0; t < s.n_tok; ++t) {
+            float *o = out_ + t * n_embd_;
+            std::fill_n(o, n_embd_, 0.0f);
+            for (int64_t j = 0; j < s.k; ++j) {
+                const int64_t p = s.pair_ids[size_t(t * s.k + j)];
+                const float w = s.weights[size_t(t * s.k + j)];
+                const float *y = p < s.n_gpu_pairs ? &gpu_out_[size_t(p * n_embd_)]
+                                                   : &cpu_out_[size_t((p - s.n_gpu_pairs) * n_embd_)];
+                for (int64_t c = 0; c < n_embd_; ++c) o[c] += w * y[c];
+            }
+        }
+    }
+    int launches() const { return launches_; }
+
+  private:
+    FakeBackend &backend_;
+    const ExpertStore &store_;
+    int64_t n_embd_;
+    Stream compute_ = nullptr;
+    const float *x_ = nullptr;
+    float *out_ = nullptr;
+    std::vector<std::vector<uint8_t>> slot_copies_;
+    std::vector<float> gpu_out_, cpu_out_;
+    int launches_ = 0;
+};
+
+// The CPU Context's expert executor, routed through HybridMoe and the fake device.
+class HybridExecutor final : public ExpertExecutor {
+  public:
+    HybridExecutor(HybridMoe &moe, FakeMoeDevice &device) : moe_(moe), device_(device) {}
+    void run(int64_t layer, const float *x, const Routing &r, float *out) override {
+        device_.set_io(x, out);
+        moe_.run_layer(int32_t(layer), x, r, {});
+    }
+
+  private:
+    HybridMoe &moe_;
+    FakeMoeDevice &device_;
+};
+
+struct Options {
+    int32_t slots_per_layer = 0;  // 0: every expert fits
+    int32_t cpu_threshold = 0;
+    int32_t prefetch_window = 0;
+    bool threaded = false;
+    bool allow_pin = true;
+    EvictionPolicyKind policy = EvictionPolicyKind::LRU;
+};
+
+// Everything the offloaded run needs, in construction order.
+struct Rig {
+    Rig(const Model &model, const Options &o, int64_t max_tokens)
+        : backend(fake_config(o)),
+          store(model, &backend),
+          plan(PlacementPlan::uniform(int32_t(model.hp().n_layer), int32_t(model.hp().n_expert))) {
+        const HParams &hp = model.hp();
+        ExpertCacheConfig c;
+        c.n_layers = int32_t(hp.n_layer);
+        c.n_experts = int32_t(hp.n_expert);
+        c.top_k = int32_t(hp.n_expert_used);
+        c.expert_bytes = store.expert_bytes();
+        c.policy = o.policy;
+        const int32_t per_layer = o.slots_per_layer > 0 ? o.slots_per_layer : c.n_experts;
+        c.budget_bytes = uint64_t(per_layer) * uint64_t(c.n_layers) * ExpertCache::slot_bytes_for(c);
+        cache = std::make_unique<ExpertCache>(c, &backend);
+        CopyEngineConfig ec;
+        ec.chunk_bytes = 4096;  // several chunks per expert
+        engine = std::make_unique<CopyEngine>(backend, ec);
+        loader = std::make_unique<ExpertLoader>(backend, *cache, *engine, plan, store.host_experts());
+        if (o.prefetch_window > 0) {
+            predictor = std::make_unique<FrequencyPredictor>(
+                PredictorShape{c.n_layers, c.n_experts, c.top_k}, 1.0, int32_t(max_tokens), o.prefetch_window);
+        }
+        device = std::make_unique<FakeMoeDevice>(backend, store, model, max_tokens);
+        HybridMoeConfig hc;
+        hc.rule.cpu_threshold = o.cpu_threshold;
+        hc.prefetch_window = o.prefetch_window;
+        moe = std::make_unique<HybridMoe>(model, store, plan, cache.get(), loader.get(), predictor.get(), *device,
+                                          &backend, hc, max_tokens, /*shared_on_device=*/false);
+        executor = std::make_unique<HybridExecutor>(*moe, *device);
+    }
+    ~Rig() {
+        moe.reset();
+        device.reset();
+        loader.reset();
+        engine.reset();
+    }
+    static FakeBackend::Config fake_config(const Options &o) {
+        FakeBackend::Config f;
+        f.mode = o.threaded ? FakeBackend::Mode::THREADED : FakeBackend::Mode::IMMEDIATE;
+        f.allow_host_register = o.allow_pin;
+        return f;
+    }
+
+    FakeBackend backend;
+    ExpertStore store;
+    PlacementPlan plan;
+    std::unique_ptr<ExpertCache> cache;
+    std::unique_ptr<CopyEngine> engine;
+    std::unique_ptr<ExpertLoader> loader;
+    std::unique_ptr<ScoringPredictor> predictor;
+    std::unique_ptr<FakeMoeDevice> device;
+    std::unique_ptr<HybridMoe> moe;
+    std::unique_ptr<HybridExecutor> executor;
+};
+
+constexpr int64_t kBatch = 5;  // prefill in pieces of 5 tokens
+
+// Prefill of a fixed prompt (all logits) followed by greedy decode steps; every logit of every step.
+std::vector<float> run_tokens(const Model &model, ExpertExecutor *executor, int n_decode) {
+    Context ctx(model, {64, kBatch}, executor);
+    std::vector<int32_t> prompt;
+    for (int i = 0; i < 11; ++i) prompt.push_back(int32_t((i * 37 + 5) % model.hp().n_vocab));
+    ctx.eval(prompt, /*all_logits=*/true);
+    std::vector<float> all = ctx.logits();
+    for (int i = 0; i < n_decode; ++i) {
+        const float *l = ctx.logits().data() + ctx.logits().size() - size_t(model.hp().n_vocab);
+        const auto next = int32_t(std::max_element(l, l + model.hp().n_vocab) - l);
+        ctx.eval({&next, 1});
+        all.insert(all.end(), ctx.logits().begin(), ctx.logits().end());
+    }
+    return all;
+}
+
+void expect_bitwise_equal(const std::vector<float> &a, const std::vector<float> &b) {
+    ASSERT_EQ(a.size(), b.size());
+    size_t diff = 0;
+    for (size_t i = 0; i < a.size(); ++i) diff += std::memcmp(&a[i], &b[i], 4) != 0;
+    EXPECT_EQ(diff, 0u) << "logits differ from the CPU executor's at " << diff << " of " << a.size();
+}
+
+class HybridModels : public ::testing::TestWithParam<std::string> {};
+
+std::string arch_name(const ::testing::TestParamInfo<std::string> &info) {
+    std::string s = info.param;
+    for (char &c : s) c = std::isalnum(static_cast<unsigned char>(c)) ? c : '_';
+    return s;
+}
+
+} // namespace
+
+TEST_P(HybridModels, OffloadedLogitsEqualTheCpuExecutorAtEveryBudget) {
+    const auto model = Model::load(model_path(GetParam(), "tiny-f32.gguf").string());
+    const std::vector<float> ref = run_tokens(*model, nullptr, 6);
+    const int32_t k = int32_t(model->hp().n_expert_used);
+    for (const Options &o : {Options{}, Options{k, 0, 0}, Options{k, 2, 0}, Options{k + 1, 0, 2},
+                             Options{k, 0, 3, true}, Options{k + 2, 1, 1, true, false, EvictionPolicyKind::ARC}}) {
+        SCOPED_TRACE(testing::Message() << "slots/layer " << o.slots_per_layer << ", cpu_threshold "
+                                        << o.cpu_threshold << ", window " << o.prefetch_window << ", threaded "
+                                        << o.threaded << ", pinned " << o.allow_pin);
+        Rig rig(*model, o, kBatch);
+        expect_bitwise_equal(run_tokens(*model, rig.executor.get(), 6), ref);
+        EXPECT_GT(rig.device->launches(), 0);
+        EXPECT_EQ(rig.store.pin_refused(), !o.allow_pin);
+    }
+}
+
+INSTANTIATE_TEST_SUITE_P(TinyModels, HybridModels, ::testing::Values("qwen3moe", "mixtral", "olmoe", "qwen2moe"),
+                         arch_name);
+
+TEST(HybridMoe, Q8ExpertsThroughSlotsEqualTheCpuExecutor) {
+    const auto model = Model::load(model_path("qwen3moe", "tiny-q8_0.gguf").string());
+    Rig rig(*model, Options{int32_t(model->hp().n_expert_used), 0, 2, true}, kBatch);
+    expect_bitwise_equal(run_tokens(*model, rig.executor.get(), 4), run_tokens(*model, nullptr, 4));
+}
+
+TEST(HybridMoe, EveryRoutedExpertIsCountedOnceAsHitMissOrCpu) {
+    const auto model = Model::load(model_path("qwen3moe", "tiny-f32.gguf").string());
+    Rig rig(*model, Options{int32_t(model->hp().n_expert_used), 2, 0}, kBatch);
+    Context ctx(*model, {64, kBatch}, rig.executor.get());
+    uint64_t unique = 0;
+    ctx.on_routing = [&](int64_t, const Routing &r) {
+        std::vector<int> seen(size_t(model->hp().n_expert), 0);
+        for (int32_t id : r.ids) unique += seen[size_t(id)]++ == 0;
+    };
+    std::vector<int32_t> prompt{3, 9, 27, 81, 243 % 1000, 7, 1};
+    ctx.eval(prompt);
+    for (int i = 0; i < 5; ++i) {
+        const int32_t t = int32_t(i * 13 + 2);
+        ctx.eval({&t, 1});
+    }
+    const CacheLayerStats s = rig.cache->total_stats();
+    EXPECT_EQ(s.accesses(), unique);
+    EXPECT_GT(s.cpu_runs, 0u);       // prefill batches route more experts than a layer's slots hold
+    EXPECT_GT(s.demand_misses, 0u);  // the cold cache
+    EXPECT_GT(s.hits, 0u);           // experts reused from one step to the next
+}
+
+TEST(HybridMoe, StepPairsCoverEveryTokenSlotOnceGpuPairsFirst) {
+    const auto model = Model::load(model_path("mixtral", "tiny-f32.gguf").string());
+    Rig rig(*model, Options{int32_t(model->hp().n_expert_used), 3, 0}, kBatch);
+    const int64_t E = model->hp().n_expert, k = model->hp().n_expert_used, n_tok = 4;
+    Routing r;
+    r.n_tok = n_tok;
+    r.k = k;
+    // Expert 0 gets 4 tokens (>= cpu_threshold 3: fetched), the others 1 each (CPU).
+    for (int64_t t = 0; t < n_tok; ++t) {
+        r.ids.push_back(0);
+        for (int64_t j = 1; j < k; ++j) r.ids.push_back(int32_t(1 + (t * (k - 1) + j - 1) % (E - 1)));
+        for (int64_t j = 0; j < k; ++j) r.weights.push_back(0.1f * float(j + 1));
+    }
+    std::vector<float> h(size_t(n_tok * model->hp().n_embd), 0.25f), out(h.size());
+    rig.device->set_io(h.data(), out.data());
+    rig.moe->run_layer(1, h.data(), r, {});
+    const MoeStep &s = rig.moe->last_step();
+    EXPECT_EQ(s.n_gpu, 1);
+    EXPECT_EQ(s.n_gpu_pairs, n_tok);
+    EXPECT_EQ(s.n_gpu_pairs + s.n_cpu_pairs, n_tok * k);
+    std::vector<int> seen(size_t(n_tok * k), 0);
+    for (int64_t t = 0; t < n_tok; ++t) {
+        for (int64_t j = 0; j < k; ++j) {
+            const int32_t p = s.pair_ids[size_t(t * k + j)];
+            ASSERT_GE(p, 0);
+            ASSERT_LT(p, n_tok * k);
+            ++seen[size_t(p)];
+            EXPECT_EQ(s.weights[size_t(t * k + j)], r.weights[size_t(t * k + j)]);
+            const bool gpu = r.ids[size_t(t * k + j)] == 0;
+            EXPECT_EQ(p < s.n_gpu_pairs, gpu);
+            EXPECT_EQ(gpu ? s.gpu_rows[size_t(p)] : s.cpu_rows[size_t(p - s.n_gpu_pairs)], t);
+        }
+    }
+    for (int c : seen) EXPECT_EQ(c, 1);
+    EXPECT_EQ(rig.moe->last_decision().n_fetch, 1);
+    EXPECT_EQ(rig.moe->last_decision().n_cpu, s.n_cpu);
+}
+
+TEST(ExpertStore, CanonicalBytesAreTheFileExpertsBackToBack) {
+    const auto model = Model::load(model_path("olmoe", "tiny-q8_0.gguf").string());
+    FakeBackend backend;
+    ExpertStore store(*model, &backend);
+    EXPECT_FALSE(store.pin_refused());
+    EXPECT_GT(store.pinned_bytes(), 0u);
+    for (int32_t l = 0; l < store.n_layers(); ++l) {
+        const ExpertLayout &x = store.layout(l);
+        EXPECT_EQ(x.up_offset % 256, 0u);
+        EXPECT_EQ(x.down_offset % 256, 0u);
+        EXPECT_EQ(x.bytes % 256, 0u);
+        const LayerWeights &w = model->weights().layers[size_t(l)];
+        for (int32_t e = 0; e < store.n_experts(); ++e) {
+            const auto *p = static_cast<const uint8_t *>(store.host_expert(l, e));
+            ASSERT_NE(p, nullptr);
+            EXPECT_EQ(std::memcmp(p, w.gate_exps.matrix(e), x.gate_bytes), 0);
+            EXPECT_EQ(std::memcmp(p + x.up_offset, w.up_exps.matrix(e), x.up_bytes), 0);
+            EXPECT_EQ(std::memcmp(p + x.down_offset, w.down_exps.matrix(e), x.down_bytes), 0);
+        }
+    }
+}
+
+TEST(ExpertStore, CpuOnlyExpertsStayInTheMappingAndRefusedPinningKeepsOnePageableCopy) {
+    const auto model = Model::load(model_path("qwen3moe", "tiny-f32.gguf").string());
+    FakeBackend::Config fc;
+    fc.allow_host_register = false;
+    FakeBackend backend(fc);
+    const size_t n = size_t(model->hp().n_layer * model->hp().n_expert);
+    ExpertStoreConfig c;
+    c.fetchable.assign(n, 1);
+    c.fetchable[0] = 0;  // layer 0, expert 0 runs on the CPU only
+    ExpertStore store(*model, &backend, c);
+    EXPECT_TRUE(store.pin_refused());
+    EXPECT_EQ(store.pinned_bytes(), 0u);
+    EXPECT_EQ(store.pageable_bytes(), uint64_t(n - 1) * store.layout(0).bytes);
+    EXPECT_EQ(store.host_expert(0, 0), nullptr);
+    const ExpertViews v = store.cpu_views(0, 0);
+    EXPECT_EQ(v.gate.matrix(v.index), model->weights().layers[0].gate_exps.matrix(0));
+    EXPECT_FALSE(backend.is_host_registered(store.host_expert(0, 1)));
+}
+
+TEST(HybridMoe, BudgetBelowOneLayersTopKFailsWithTheMinimum) {
+    const auto model = Model::load(model_path("qwen3moe", "tiny-f32.gguf").string());
+    FakeBackend backend;
+    ExpertStore store(*model, &backend);
+    ExpertCacheConfig c;
+    c.n_layers = int32_t(model->hp().n_layer);
+    c.n_experts = int32_t(model->hp().n_expert);
+    c.top_k = int32_t(model->hp().n_expert_used);
+    c.expert_bytes = store.expert_bytes();
+    c.budget_bytes = ExpertCache::min_budget_bytes(c) - 1;
+    try {
+        ExpertCache cache(c, &backend);
+        FAIL() << "no error";
+    } catch (const Error &e) {
+        EXPECT_NE(std::string(e.what()).find(std::to_string(ExpertCache::min_budget_bytes(c)) + " bytes"),
+                  std::string::npos)
+            << e.what();
+    }
+}
