@@ -7,8 +7,10 @@ Usage: python3 tools/train/eval_demo.py [--gguf models/demo/demo-q8_0.gguf] [--c
 
 Needs torch, transformers and accelerate (transformers' GGUF loading requires it). Perplexity protocol: the
 validation split tokenised as in training (documents each followed by <|endoftext|>), cut into non-overlapping
-windows of --seq + 1 tokens from the start; every position after the first of a window is scored. The unigram
-baseline uses add-one smoothed counts of the train split and scores the same positions.
+windows of --seq + 1 tokens from the start; --windows of them, evenly spaced over the split (all of them, as the
+device run's validation in train_models.py scores, when --windows is at least their number: 1308); every position
+after the first of a window is scored. The unigram baseline uses add-one smoothed counts of the train split and
+scores the same positions.
 """
 import argparse
 import json
@@ -68,8 +70,12 @@ def main():
     counts = np.bincount(train, minlength=tok.get_vocab_size()).astype(np.float64) + 1
     uni_lp = np.log(counts / counts.sum())
     val = stream(tok, Path(args.corpus) / "validation.jsonl", eos_id)
-    n = min(args.windows, (len(val) - 1) // args.seq)
-    windows = np.stack([val[i * args.seq:i * args.seq + args.seq + 1] for i in range(n)]).astype(np.int64)
+    n_all = (len(val) - 1) // args.seq
+    n = min(args.windows, n_all)
+    # evenly spaced so that a bounded CPU run samples every source of the split, not only its first documents
+    picks = np.unique(np.linspace(0, n_all - 1, n).round().astype(np.int64))
+    windows = np.stack([val[i * args.seq:i * args.seq + args.seq + 1] for i in picks]).astype(np.int64)
+    n = len(picks)
     total, count = 0.0, 0
     with torch.no_grad():
         for i in range(0, n, 8):
@@ -79,7 +85,8 @@ def main():
                                      reduction="sum").item()
             count += w[:, 1:].numel()
     uni = float(-uni_lp[windows[:, 1:]].mean())
-    res = {"gguf": str(gguf_path), "windows": n, "seq": args.seq, "tokens_scored": count,
+    res = {"command": "python3 tools/train/eval_demo.py " + " ".join(sys.argv[1:]),
+           "gguf": str(gguf_path), "windows": n, "windows_in_split": n_all, "seq": args.seq, "tokens_scored": count,
            "ppl": math.exp(total / count), "unigram_ppl": math.exp(uni),
            "bits_per_token": total / count / math.log(2), "seconds": round(time.time() - t, 1)}
     print(f"validation ({count} tokens): perplexity {res['ppl']:.2f}, unigram baseline {res['unigram_ppl']:.1f}")
