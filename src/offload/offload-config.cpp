@@ -1,0 +1,140 @@
+// OffloadConfig: key = value setter shared by the YAML config file and the command-line flags.
+#include "offload/offload-config.h"
+
+#include "core/error.h"
+#include "offload/byte-size.h"
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+#include <yaml-cpp/yaml.h>
+
+#include <algorithm>
+#include <charconv>
+
+namespace prescope {
+
+namespace {
+
+int64_t parse_int(std::string_view value, int64_t lo, int64_t hi, std::string_view source, std::string_view key) {
+    int64_t v = 0;
+    const char *end = value.data() + value.size();
+    const auto r = std::from_chars(value.data(), end, v);
+    if (r.ec != std::errc() || r.ptr != end || v < lo || v > hi) {
+        fail("{}: {}: expected an integer in [{}, {}], got '{}'", source, key, lo, hi, value);
+    }
+    return v;
+}
+
+} // namespace
+
+const std::vector<std::string> &OffloadConfig::keys() {
+    static const std::vector<std::string> k = {
+        "gpu_cache",        "cache_policy",       "cpu_threshold", "prefetch_window",  "prefetch_max_per_layer",
+        "predict_max_tokens", "predictor",        "placement",     "routing_trace",    "gpu_device",
+        "copy_chunk",       "copy_queue_depth",   "copy_bandwidth_cap"};
+    return k;
+}
+
+void OffloadConfig::set(std::string_view key, std::string_view value, std::string_view source) {
+    const std::string where = fmt::format("{}: {}", source, key);
+    if (key == "gpu_cache") {
+        gpu_cache_bytes = parse_byte_size(value, where);
+        gpu = true;
+    } else if (key == "cache_policy") {
+        try {
+            cache_policy = parse_eviction_policy(value);
+        } catch (const Error &e) {
+            fail("{}: {}", where, e.what());
+        }
+    } else if (key == "cpu_threshold") {
+        cpu_threshold = int32_t(parse_int(value, 0, 1 << 30, source, key));
+    } else if (key == "prefetch_window") {
+        prefetch_window = int32_t(parse_int(value, 0, 64, source, key));
+    } else if (key == "prefetch_max_per_layer") {
+        prefetch_max_per_layer = int32_t(parse_int(value, 0, 1 << 16, source, key));
+    } else if (key == "predict_max_tokens") {
+        predict_max_tokens = parse_int(value, 1, 1 << 16, source, key);
+    } else if (key == "predictor") {
+        if (value.empty()) fail("{}: expected none, frequency, recency, fate, oracle or a predictor file", where);
+        predictor = std::string(value);
+    } else if (key == "placement") {
+        placement = std::string(value);
+    } else if (key == "routing_trace") {
+        routing_trace = std::string(value);
+    } else if (key == "gpu_device") {
+        gpu_device = int32_t(parse_int(value, 0, 1023, source, key));
+    } else if (key == "copy_chunk") {
+        copy.chunk_bytes = size_t(parse_byte_size(value, where));
+        if (copy.chunk_bytes == 0) fail("{}: the chunk size must be positive", where);
+    } else if (key == "copy_queue_depth") {
+        copy.queue_depth = int32_t(parse_int(value, 1, 1024, source, key));
+    } else if (key == "copy_bandwidth_cap") {
+        copy.bandwidth_cap_bytes_per_s = double(parse_byte_size(value, where));
+    } else {
+        fail("{}: unknown key '{}' (known: {})", source, key, fmt::join(keys(), ", "));
+    }
+}
+
+void OffloadConfig::load_yaml(const std::string &path) {
+    YAML::Node root;
+    try {
+        root = YAML::LoadFile(path);
+    } catch (const YAML::Exception &e) {
+        fail("{}: cannot read the config: {}", path, e.what());
+    }
+    if (root.IsNull()) return;
+    if (!root.IsMap()) fail("{}: expected a mapping of key: value lines", path);
+    for (const auto &kv : root) {
+        const std::string key = kv.first.as<std::string>();
+        if (!kv.second.IsScalar()) fail("{}: {}: expected a single value", path, key);
+        set(key, kv.second.as<std::string>(), path);
+    }
+}
+
+std::string OffloadConfig::get(std::string_view key) const {
+    if (key == "gpu_cache") return gpu ? format_byte_size(gpu_cache_bytes) : "off (CPU only)";
+    if (key == "cache_policy") return eviction_policy_name(cache_policy);
+    if (key == "cpu_threshold") return std::to_string(cpu_threshold);
+    if (key == "prefetch_window") return std::to_string(prefetch_window);
+    if (key == "prefetch_max_per_layer") return prefetch_max_per_layer ? std::to_string(prefetch_max_per_layer) : "top_k";
+    if (key == "predict_max_tokens") return std::to_string(predict_max_tokens);
+    if (key == "predictor") return predictor;
+    if (key == "placement") return placement.empty() ? "all pinned, per-step rule" : placement;
+    if (key == "routing_trace") return routing_trace.empty() ? "none (router)" : routing_trace;
+    if (key == "gpu_device") return std::to_string(gpu_device);
+    if (key == "copy_chunk") return format_byte_size(copy.chunk_bytes);
+    if (key == "copy_queue_depth") return std::to_string(copy.queue_depth);
+    if (key == "copy_bandwidth_cap") {
+        return copy.bandwidth_cap_bytes_per_s > 0 ? fmt::format("{:.2f} GB/s", copy.bandwidth_cap_bytes_per_s / 1e9)
+                                                  : "none";
+    }
+    PRESCOPE_ASSERT(false && "unknown offload config key");
+    return {};
+}
+
+std::string OffloadConfig::describe() const {
+    std::string out;
+    for (const std::string &k : keys()) out += fmt::format("  {:<23} {}\n", k + ":", get(k));
+    return out;
+}
+
+nlohmann::json OffloadConfig::to_json() const {
+    nlohmann::json j;
+    j["gpu"] = gpu;
+    j["gpu_cache_bytes"] = gpu_cache_bytes;
+    j["cache_policy"] = eviction_policy_name(cache_policy);
+    j["cpu_threshold"] = cpu_threshold;
+    j["prefetch_window"] = prefetch_window;
+    j["prefetch_max_per_layer"] = prefetch_max_per_layer;
+    j["predict_max_tokens"] = predict_max_tokens;
+    j["predictor"] = predictor;
+    j["placement"] = placement;
+    j["routing_trace"] = routing_trace;
+    j["gpu_device"] = gpu_device;
+    j["copy_chunk_bytes"] = copy.chunk_bytes;
+    j["copy_queue_depth"] = copy.queue_depth;
+    j["copy_bandwidth_cap_bytes_per_s"] = copy.bandwidth_cap_bytes_per_s;
+    return j;
+}
+
+} // namespace prescope

@@ -1,0 +1,79 @@
+// Engine selection, the CPU engine, and the predictor factory of the offloading runtime.
+#include "runtime/engine.h"
+
+#include "core/error.h"
+#include "offload/predictor-baselines.h"
+#include "offload/predictor-llapor.h"
+#include "runtime/routing-replay.h"
+#ifdef PRESCOPE_USE_CUDA
+#include "runtime/gpu-context.h"
+#endif
+
+#include <nlohmann/json.hpp>
+
+#include <filesystem>
+
+namespace prescope {
+
+CpuEngine::CpuEngine(const Model &model, ContextParams params, const OffloadConfig &config) : ctx_(model, params) {
+    if (!config.routing_trace.empty()) {
+        replay_ = std::make_unique<RoutingReplay>(config.routing_trace, model.hp());
+        ctx_.routing_override = [r = replay_.get()](int64_t layer, Routing &routing) { r->apply(layer, routing); };
+    }
+}
+
+CpuEngine::~CpuEngine() = default;
+
+std::string CpuEngine::startup_text() const {
+    return replay_ ? replay_->describe() + "\n" : std::string();
+}
+
+std::string CpuEngine::stats_text() const {
+    return replay_ ? fmt::format("routing: {} tokens replayed from {}\n", replay_->tokens_replayed(), replay_->path())
+                   : std::string();
+}
+
+nlohmann::json CpuEngine::stats_json() const { return {{"routing", routing_source(replay_.get())}}; }
+
+std::string routing_source(const RoutingReplay *replay) {
+    return replay ? "replayed:" + std::filesystem::path(replay->path()).filename().string() : "router";
+}
+
+std::unique_ptr<Predictor> make_predictor(const OffloadConfig &config, const Model &model, int32_t max_tokens,
+                                          const RoutingReplay *replay, OraclePredictor **oracle) {
+    const HParams &hp = model.hp();
+    const PredictorShape shape{int32_t(hp.n_layer), int32_t(hp.n_expert), int32_t(hp.n_expert_used)};
+    const int32_t window = std::max(config.prefetch_window, 1);
+    const std::string &name = config.predictor;
+    if (oracle) *oracle = nullptr;
+    if (name == "none") return nullptr;
+    if (name == "frequency" || name == "recency") {
+        return std::make_unique<FrequencyPredictor>(shape, name == "recency" ? 0.99 : 1.0, max_tokens, window);
+    }
+    if (name == "fate") {
+        return std::make_unique<FatePredictor>(shape, hp.n_embd, FatePredictor::read_routers(model), max_tokens,
+                                               window);
+    }
+    if (name == "oracle") {
+        if (!replay) fail("--predictor oracle reads the future from the replayed trace: pass --routing-trace FILE");
+        auto p = std::make_unique<OraclePredictor>(replay->trace(), window);
+        if (oracle) *oracle = p.get();
+        return p;
+    }
+    if (!std::filesystem::exists(name)) {
+        fail("--predictor {}: expected none, frequency, recency, fate, oracle or a predictor file", name);
+    }
+    return load_llapor(name, max_tokens);
+}
+
+std::unique_ptr<Engine> make_engine(const Model &model, ContextParams params, const OffloadConfig &config) {
+    if (!config.gpu) return std::make_unique<CpuEngine>(model, params, config);
+#ifdef PRESCOPE_USE_CUDA
+    return std::make_unique<GpuContext>(model, params, config);
+#else
+    fail("--gpu-expert-budget (gpu_cache) needs the CUDA backend, but this prescope was built without it "
+         "(-DPRESCOPE_CUDA=OFF); rebuild with CUDA or leave the flag out to run on the CPU");
+#endif
+}
+
+} // namespace prescope

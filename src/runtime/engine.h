@@ -1,0 +1,78 @@
+// One interface over the two forward passes: the CPU Context and the GPU offloading runtime
+// (runtime/gpu-context.h, built with CUDA). The CLI picks one from the offload settings.
+#pragma once
+
+#include "offload/offload-config.h"
+#include "offload/predictor.h"
+#include "runtime/context.h"
+
+#include <nlohmann/json_fwd.hpp>
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace prescope {
+
+class OraclePredictor;
+class RoutingReplay;
+
+/// One sequence's forward pass. eval/logits/n_past/n_ctx/clear mean what they mean on Context.
+class Engine {
+  public:
+    virtual ~Engine() = default;
+    virtual void eval(std::span<const int32_t> tokens, bool all_logits = false) = 0;
+    virtual const std::vector<float> &logits() const = 0;
+    virtual int64_t n_past() const = 0;
+    virtual int64_t n_ctx() const = 0;
+    virtual void clear() = 0;
+    /// "cpu" or "cuda".
+    virtual const char *backend_name() const = 0;
+    /// Lines printed at start-up: device, expert store, cache, placement, routing source.
+    virtual std::string startup_text() const = 0;
+    /// The counters since the last reset_stats() (printed at exit): per-layer cache table, hit rate, PCIe
+    /// GB/s, bytes per token, stall time; empty when there is nothing to count.
+    virtual std::string stats_text() const = 0;
+    /// The same as JSON (bench rows): at least "routing" ("router" or "replayed:<trace>").
+    virtual nlohmann::json stats_json() const = 0;
+    virtual void reset_stats() = 0;
+};
+
+/// The CPU Context as an Engine, with routing replay when config.routing_trace is set.
+class CpuEngine final : public Engine {
+  public:
+    CpuEngine(const Model &model, ContextParams params, const OffloadConfig &config);
+    ~CpuEngine() override;
+    void eval(std::span<const int32_t> tokens, bool all_logits = false) override { ctx_.eval(tokens, all_logits); }
+    const std::vector<float> &logits() const override { return ctx_.logits(); }
+    int64_t n_past() const override { return ctx_.n_past(); }
+    int64_t n_ctx() const override { return ctx_.n_ctx(); }
+    void clear() override { ctx_.clear(); }
+    const char *backend_name() const override { return "cpu"; }
+    std::string startup_text() const override;
+    std::string stats_text() const override;
+    nlohmann::json stats_json() const override;
+    void reset_stats() override {}
+    Context &context() { return ctx_; }
+
+  private:
+    Context ctx_;
+    std::unique_ptr<RoutingReplay> replay_;
+};
+
+/// The engine the settings ask for: CpuEngine, or the GPU runtime when config.gpu. Throws prescope::Error
+/// when config.gpu is set in a build without CUDA or on a machine without a CUDA device.
+std::unique_ptr<Engine> make_engine(const Model &model, ContextParams params, const OffloadConfig &config);
+
+/// The predictor config.predictor names, for up to max_tokens tokens per call and config.prefetch_window:
+/// nullptr for "none"; "oracle" needs `replay` (it reads the future from the replayed trace) and is returned
+/// in *oracle too. Throws prescope::Error on an unknown name or an unreadable predictor file.
+std::unique_ptr<Predictor> make_predictor(const OffloadConfig &config, const Model &model, int32_t max_tokens,
+                                          const RoutingReplay *replay, OraclePredictor **oracle);
+
+/// "replayed:<trace file name>" or "router".
+std::string routing_source(const RoutingReplay *replay);
+
+} // namespace prescope

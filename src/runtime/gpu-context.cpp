@@ -1,0 +1,680 @@
+// GpuContext: the forward pass on the GPU with experts offloaded (runtime/gpu-context.h). Per block, as the
+// CPU Context computes it (runtime/context.cpp): x += Wo attn(...); then x += MoE(rmsnorm(x)) with the MoE
+// block split between GPU and CPU by runtime/hybrid-moe.
+#include "runtime/gpu-context.h"
+
+#include "backend/cuda/attention.cuh"
+#include "backend/cuda/convert.cuh"
+#include "backend/cuda/elementwise.cuh"
+#include "backend/cuda/matmul.cuh"
+#include "backend/cuda/moe.cuh"
+#include "backend/cuda/norm.cuh"
+#include "backend/cuda/rope.cuh"
+#include "core/error.h"
+#include "offload/byte-size.h"
+#include "offload/predictor-baselines.h"
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <unordered_map>
+
+namespace prescope {
+
+namespace {
+
+constexpr int64_t kLogitRows = 32;  // rows of the output head per pass (all_logits runs in pieces)
+
+size_t align_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
+size_t a256(size_t n) { return align_up(n, 256); }
+
+/// Hands out 256-byte aligned pieces of one allocation: a sizing pass with base == nullptr, then the same
+/// calls again with the real base.
+struct Carver {
+    uint8_t *base = nullptr;
+    size_t used = 0;
+    template <typename T>
+    T *take(size_t n_elements) {
+        T *p = base ? reinterpret_cast<T *>(base + used) : nullptr;
+        used += a256(n_elements * sizeof(T));
+        return p;
+    }
+};
+
+} // namespace
+
+// ---------------------------------------------------------------------------------------------------------------
+// construction
+
+GpuContext::GpuContext(const Model &model, ContextParams params, const OffloadConfig &config)
+    : model_(model), params_(params), config_(config) {
+    try {
+        init();
+    } catch (...) {
+        release();  // a failed start-up (no memory, bad file) gives back what it took
+        throw;
+    }
+}
+
+void GpuContext::init() {
+    const Model &model = model_;
+    const OffloadConfig &config = config_;
+    const HParams &hp = model.hp();
+    if (params_.n_ctx <= 0) params_.n_ctx = hp.n_ctx_train;
+    if (params_.n_batch <= 0 || params_.n_ctx <= 0) {
+        fail("invalid context: n_ctx {} and n_batch {} must be positive", params_.n_ctx, params_.n_batch);
+    }
+    params_.n_batch = std::min(params_.n_batch, params_.n_ctx);
+    std::string why;
+    if (cuda_device_count(&why) == 0) {
+        fail("--gpu-expert-budget (gpu_cache) needs a CUDA GPU, but none is usable here ({}); leave the flag out "
+             "to run on the CPU",
+             why);
+    }
+    if (hp.n_expert > 1024 || hp.n_expert_used > 32) {
+        fail("{}: the GPU router handles at most 1024 experts and top-32; the model has {} experts, top-{}",
+             model.file().path(), hp.n_expert, hp.n_expert_used);
+    }
+    backend_ = std::make_unique<CudaBackend>(config.gpu_device);
+    compute_ = backend_->stream_create();
+    routing_ready_ = backend_->event_create();
+    logits_ready_ = backend_->event_create();
+    cuda::cublas_handle();  // created here, not on the first forward pass
+
+    if (!config.routing_trace.empty()) replay_ = std::make_unique<RoutingReplay>(config.routing_trace, hp);
+    const auto L = int32_t(hp.n_layer), E = int32_t(hp.n_expert);
+    plan_ = config.placement.empty() ? PlacementPlan::uniform(L, E) : PlacementPlan::load(config.placement);
+    plan_.check_shape(L, E, config.placement.empty() ? "placement plan" : config.placement);
+
+    // Host tier: experts that may be fetched are repacked (and page-locked unless their home is the mapping).
+    ExpertStoreConfig sc;
+    sc.fetchable.assign(size_t(L) * size_t(E), 0);
+    sc.pinned.assign(size_t(L) * size_t(E), 1);
+    for (size_t i = 0; i < sc.fetchable.size(); ++i) {
+        const ExpertPlacement &p = plan_.experts[i];
+        sc.fetchable[i] = config.gpu_cache_bytes > 0 && p.exec != ExecSite::CPU;
+        sc.pinned[i] = p.home != HomeTier::MMAP;
+    }
+
+    // Device memory: sizes first, so a shortfall is reported with every part named.
+    ExpertCacheConfig cc;
+    cc.n_layers = L;
+    cc.n_experts = E;
+    cc.top_k = int32_t(hp.n_expert_used);
+    cc.policy = config.cache_policy;
+    cc.budget_bytes = config.gpu_cache_bytes;
+    int64_t n_ff = 0;
+    {
+        std::vector<uint64_t> bytes(size_t(L) * size_t(E));
+        for (int32_t l = 0; l < L; ++l) {
+            const ExpertLayout x = ExpertLayout::of(model, l);
+            n_ff = std::max(n_ff, x.n_ff);
+            std::fill_n(bytes.begin() + ptrdiff_t(size_t(l) * size_t(E)), E, x.bytes);
+        }
+        cc.expert_bytes = std::move(bytes);
+    }
+    ExpertCache::slot_bytes_for(cc);  // validates, and names the minimum budget below
+    if (cc.budget_bytes > 0 && cc.budget_bytes < ExpertCache::min_budget_bytes(cc)) {
+        ExpertCache too_small(cc);  // throws the cache's message with the minimum
+    }
+    const uint64_t pool_bytes = cc.budget_bytes / ExpertCache::slot_bytes_for(cc) * ExpertCache::slot_bytes_for(cc);
+
+    upload_weights();  // sizes weights_bytes_ and uploads
+
+    const int64_t nb = params_.n_batch, k = hp.n_expert_used, n_embd = hp.n_embd;
+    const int64_t n_q = hp.n_head * hp.head_dim, n_kv = hp.n_head_kv * hp.head_dim;
+    const int64_t pairs = nb * k;
+    meta_bytes_ = 3 * align_up(size_t(E) * sizeof(void *), 16) + align_up(size_t(E + 1) * 4, 16) +
+                  align_up(size_t(pairs) * 4, 16) + 2 * align_up(size_t(nb * (k + 1)) * 4, 16);
+
+    // Workspace: the largest any op of a batch asks for (ops run in stream order and share it).
+    size_t ws = 0;
+    auto need = [&](size_t b) { ws = std::max(ws, b); };
+    for (const DevLayer &l : layers_) {
+        for (const DevMatrix *m : {&l.wq, &l.wk, &l.wv, &l.wo, &l.gate_inp, &l.gate_shexp, &l.up_shexp,
+                                   &l.down_shexp, &l.gate_inp_shexp}) {
+            if (!m->empty()) need(cuda::matmul_workspace_bytes(m->type, m->n_in, m->n_out, nb));
+        }
+    }
+    need(cuda::matmul_workspace_bytes(output_.type, output_.n_in, output_.n_out, kLogitRows));
+    for (int32_t l = 0; l < L; ++l) {
+        const ExpertLayout x = ExpertLayout::of(model, l);
+        const int32_t offsets[2] = {0, int32_t(pairs)};
+        cuda::ExpertMatmul g;
+        g.n_expert = 1;
+        g.offsets_host = offsets;
+        for (auto [type, n_in, n_out] : {std::tuple{x.gate_type, n_embd, x.n_ff}, std::tuple{x.up_type, n_embd, x.n_ff},
+                                         std::tuple{x.down_type, x.n_ff, n_embd}}) {
+            g.type = type;
+            g.n_in = n_in;
+            g.n_out = n_out;
+            need(cuda::expert_matmul_workspace_bytes(g, cuda::MatmulPath::CUBLAS));
+        }
+    }
+    for (int64_t t = 1; t <= nb; t = t * 2 > nb && t < nb ? nb : t * 2) {
+        need(cuda::attention_workspace_bytes(t, params_.n_ctx - t, hp.n_head, hp.n_head_kv, hp.head_dim));
+    }
+
+    auto carve = [&](Carver &c) {
+        x_ = c.take<float>(size_t(nb * n_embd));
+        hb_ = c.take<float>(size_t(nb * n_embd));
+        tmp_ = c.take<float>(size_t(nb * n_embd));
+        q_ = c.take<float>(size_t(nb * n_q));
+        attn_ = c.take<float>(size_t(nb * n_q));
+        k_cache_ = c.take<float>(size_t(hp.n_layer * params_.n_ctx * n_kv));
+        v_cache_ = c.take<float>(size_t(hp.n_layer * params_.n_ctx * n_kv));
+        router_logits_ = c.take<float>(size_t(nb * E));
+        routing_dev_ = c.take<uint8_t>(routing_block(nb).bytes);
+        gate_ = c.take<float>(size_t(pairs * n_ff));
+        up_ = c.take<float>(size_t(pairs * n_ff));
+        pairs_ = c.take<float>(size_t((pairs + nb) * n_embd));
+        if (hp.shared_expert) {
+            sh_gate_ = c.take<float>(size_t(nb * hp.n_ff_shexp));
+            sh_up_ = c.take<float>(size_t(nb * hp.n_ff_shexp));
+        }
+        meta_dev_ = c.take<uint8_t>(meta_bytes_);
+        tok_dev_ = c.take<int32_t>(size_t(2 * nb));
+        logits_dev_ = c.take<float>(size_t(kLogitRows * hp.n_vocab));
+        ws_.ptr = c.take<uint8_t>(ws);
+        ws_.bytes = ws;
+    };
+    Carver sizing;
+    carve(sizing);
+    arena_bytes_ = sizing.used;
+
+    const MemoryInfo mem = backend_->memory_info();
+    const uint64_t reserve = uint64_t(256) << 20;  // cuBLAS, kernels, the driver's own allocations
+    if (arena_bytes_ + pool_bytes + reserve > mem.free_bytes) {
+        fail("not enough GPU memory on {}: non-expert weights {} (already there) + KV cache and activations {} + "
+             "expert budget {} + {} reserve, but {} free of {}; lower --gpu-expert-budget, -c or -b",
+             backend_->name(), format_byte_size(weights_bytes_), format_byte_size(arena_bytes_),
+             format_byte_size(pool_bytes), format_byte_size(reserve), format_byte_size(mem.free_bytes),
+             format_byte_size(mem.total_bytes));
+    }
+    arena_dev_ = backend_->alloc(MemoryKind::DEVICE, arena_bytes_);
+    Carver real{static_cast<uint8_t *>(arena_dev_), 0};
+    carve(real);
+
+    // Pinned host mirrors of what crosses the link every layer; pageable when page-locking is refused.
+    Carver host_sizing;
+    auto carve_host = [&](Carver &c) {
+        routing_host_ = c.take<uint8_t>(routing_block(nb).bytes);
+        meta_host_ = c.take<uint8_t>(meta_bytes_);
+        tok_host_ = c.take<int32_t>(size_t(2 * nb));
+        cpu_out_host_ = c.take<float>(size_t(pairs * n_embd));
+        logits_host_ = c.take<float>(size_t(kLogitRows * hp.n_vocab));
+    };
+    carve_host(host_sizing);
+    pinned_bytes_ = host_sizing.used;
+    try {
+        pinned_ = backend_->alloc(MemoryKind::HOST_PINNED, pinned_bytes_);
+    } catch (const Error &e) {
+        spdlog::warn("{}; using pageable memory for the per-layer transfers (slower)", e.what());
+        pageable_.reset(new uint8_t[pinned_bytes_ + 256]);
+        pinned_ = nullptr;
+    }
+    Carver host{pinned_ ? static_cast<uint8_t *>(pinned_)
+                        : reinterpret_cast<uint8_t *>(a256(reinterpret_cast<uintptr_t>(pageable_.get()))),
+                0};
+    carve_host(host);
+    routing_.ids.reserve(size_t(pairs));
+    routing_.weights.reserve(size_t(pairs));
+    logits_.reserve(size_t(hp.n_vocab));
+
+    // Offloading: host tier, hot-expert table, copy engine, loader, predictor, hybrid block.
+    store_ = std::make_unique<ExpertStore>(model, backend_.get(), sc);
+    cc.expert_bytes = store_->expert_bytes();
+    cache_ = std::make_unique<ExpertCache>(cc, backend_.get());
+    engine_ = std::make_unique<CopyEngine>(*backend_, config.copy);
+    loader_ = std::make_unique<ExpertLoader>(*backend_, *cache_, *engine_, plan_, store_->host_experts());
+    loader_->load_fixed();
+    const int32_t predict_tokens = int32_t(std::min<int64_t>(config.predict_max_tokens, nb));
+    predictor_ = make_predictor(config, model, config.predictor == "oracle" ? 1 : predict_tokens, replay_.get(),
+                                &oracle_);
+    HybridMoeConfig hc;
+    hc.rule.cpu_threshold = config.cpu_threshold;
+    hc.prefetch_window = predictor_ && cache_->n_slots() > 0 ? config.prefetch_window : 0;
+    hc.prefetch_max_per_layer = config.prefetch_max_per_layer;
+    hc.predict_max_tokens = oracle_ ? 1 : predict_tokens;
+    MoeDevice &device = *this;  // the private base, named here where it is accessible
+    moe_ = std::make_unique<HybridMoe>(model, *store_, plan_, cache_.get(), loader_.get(), predictor_.get(), device,
+                                       backend_.get(), hc, nb, hp.shared_expert);
+    backend_->stream_synchronize(compute_);
+    engine_->drain();  // the fixed experts' loads, so that the counters start from zero
+    reset_stats();
+}
+
+GpuContext::~GpuContext() { release(); }
+
+void GpuContext::release() noexcept {
+    if (!backend_) return;
+    try {
+        // Work queued on the device may still read the buffers and wait on the loader's events.
+        if (compute_) backend_->stream_synchronize(compute_);
+        moe_.reset();
+        loader_.reset();
+        engine_.reset();
+        cache_.reset();
+        store_.reset();
+        if (pinned_) backend_->free(MemoryKind::HOST_PINNED, pinned_);
+        if (arena_dev_) backend_->free(MemoryKind::DEVICE, arena_dev_);
+        if (weights_dev_) backend_->free(MemoryKind::DEVICE, weights_dev_);
+        if (routing_ready_) backend_->event_destroy(routing_ready_);
+        if (logits_ready_) backend_->event_destroy(logits_ready_);
+        if (compute_) backend_->stream_destroy(compute_);
+    } catch (const Error &e) {
+        spdlog::error("while releasing the GPU runtime: {}", e.what());  // a dead device: nothing more to do
+    }
+    backend_.reset();
+}
+
+GpuContext::RoutingBlock GpuContext::routing_block(int64_t n_tok) const {
+    const HParams &hp = model_.hp();
+    RoutingBlock b;
+    b.h = 0;
+    b.ids = a256(size_t(n_tok * hp.n_embd) * 4);
+    b.weights = b.ids + a256(size_t(n_tok * hp.n_expert_used) * 4);
+    b.shared_gate = b.weights + a256(size_t(n_tok * hp.n_expert_used) * 4);
+    b.bytes = b.shared_gate + (hp.shared_expert ? size_t(n_tok) * 4 : 0);
+    return b;
+}
+
+void GpuContext::upload_weights() {
+    const HParams &hp = model_.hp();
+    const ModelWeights &w = model_.weights();
+    const int64_t n_q = hp.n_head * hp.head_dim, n_kv = hp.n_head_kv * hp.head_dim;
+    // Every tensor once (a tied output head shares the embedding's bytes), 256-byte aligned.
+    std::unordered_map<const void *, size_t> placed;
+    std::vector<std::tuple<const void *, size_t, size_t>> copies;  // host, bytes, offset
+    std::vector<std::pair<const void **, size_t>> fixups;          // device pointer field, offset
+    size_t total = 0;
+    auto place = [&](const void *host, size_t bytes, const void **field) {
+        auto [it, fresh] = placed.try_emplace(host, total);
+        if (fresh) {
+            copies.emplace_back(host, bytes, total);
+            total += a256(bytes);
+        }
+        fixups.emplace_back(field, it->second);
+    };
+    auto matrix = [&](const TensorView &t, DevMatrix &m) {
+        if (t.empty()) return;
+        m.type = t.type;
+        m.n_in = t.ne[0];
+        m.n_out = t.ne[1];
+        place(t.data, t.matrix_bytes(), &m.data);
+    };
+    auto vec = [&](const float *v, int64_t n, const float *&field) {
+        if (v) place(v, size_t(n) * 4, reinterpret_cast<const void **>(&field));
+    };
+    matrix(w.tok_embd, tok_embd_);
+    matrix(w.output, output_);
+    vec(w.output_norm, hp.n_embd, output_norm_);
+    layers_.resize(size_t(hp.n_layer));
+    for (int64_t il = 0; il < hp.n_layer; ++il) {
+        const LayerWeights &l = w.layers[size_t(il)];
+        DevLayer &d = layers_[size_t(il)];
+        vec(l.attn_norm, hp.n_embd, d.attn_norm);
+        vec(l.ffn_norm, hp.n_embd, d.ffn_norm);
+        vec(l.bq, n_q, d.bq);
+        vec(l.bk, n_kv, d.bk);
+        vec(l.bv, n_kv, d.bv);
+        const bool per_head = hp.qk_norm == QkNorm::PER_HEAD;
+        vec(l.q_norm, per_head ? hp.head_dim : n_q, d.q_norm);
+        vec(l.k_norm, per_head ? hp.head_dim : n_kv, d.k_norm);
+        matrix(l.wq, d.wq);
+        matrix(l.wk, d.wk);
+        matrix(l.wv, d.wv);
+        matrix(l.wo, d.wo);
+        matrix(l.gate_inp, d.gate_inp);
+        matrix(l.gate_shexp, d.gate_shexp);
+        matrix(l.up_shexp, d.up_shexp);
+        matrix(l.down_shexp, d.down_shexp);
+        if (l.gate_inp_shexp) {
+            // The shared-expert gate vector as a 1-row F32 matrix: its logit comes from the matmul kernel.
+            d.gate_inp_shexp = {DType::F32, hp.n_embd, 1, nullptr};
+            place(l.gate_inp_shexp, size_t(hp.n_embd) * 4, &d.gate_inp_shexp.data);
+        }
+    }
+    weights_bytes_ = total;
+    weights_dev_ = backend_->alloc(MemoryKind::DEVICE, total);
+    auto *base = static_cast<uint8_t *>(weights_dev_);
+    for (auto [field, off] : fixups) *field = base + off;
+    for (auto [host, bytes, off] : copies) backend_->copy_h2d_async(base + off, host, bytes, compute_);
+    backend_->stream_synchronize(compute_);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// forward pass
+
+void GpuContext::matmul(const DevMatrix &w, const float *x, int64_t n_tok, float *y) {
+    cuda::matmul(w.type, w.data, w.n_in, w.n_out, x, n_tok, y, ws_, stream());
+}
+
+void GpuContext::eval(std::span<const int32_t> tokens, bool all_logits) {
+    const HParams &hp = model_.hp();
+    const auto n = int64_t(tokens.size());
+    if (n == 0) fail("eval: no tokens to evaluate");
+    if (n_past_ + n > params_.n_ctx) {
+        fail("{} tokens at position {} do not fit the context of {} tokens (use a larger -c)", n, n_past_,
+             params_.n_ctx);
+    }
+    for (int32_t t : tokens) {
+        if (t < 0 || t >= hp.n_vocab) fail("token id {} is outside the vocabulary [0, {})", t, hp.n_vocab);
+    }
+    logits_.resize(size_t((all_logits ? n : 1) * hp.n_vocab));
+    for (int64_t i = 0; i < n; i += params_.n_batch) {
+        const int64_t m = std::min(params_.n_batch, n - i);
+        if (oracle_) {
+            // The oracle scores the batch's last token's next layers from the replayed trace.
+            oracle_->set_token((replay_->cursor() + m - 1) % replay_->trace().n_tokens());
+        }
+        float *out = all_logits ? logits_.data() + i * hp.n_vocab : (i + m == n ? logits_.data() : nullptr);
+        forward_batch(tokens.data() + i, m, all_logits, out);
+    }
+    moe_->collect_timings();
+    (n == 1 ? tokens_decode_ : tokens_prefill_) += n;
+}
+
+void GpuContext::clear() {
+    n_past_ = 0;
+    moe_->reset();
+}
+
+void GpuContext::forward_batch(const int32_t *tokens, int64_t n, bool all_logits, float *logits_out) {
+    const HParams &hp = model_.hp();
+    const int64_t nb = params_.n_batch;
+    std::copy_n(tokens, n, tok_host_);
+    for (int64_t i = 0; i < n; ++i) tok_host_[nb + i] = int32_t(n_past_ + i);
+    backend_->copy_h2d_async(tok_dev_, tok_host_, size_t(2 * nb) * 4, compute_);
+    cuda::get_rows(tok_embd_.type, tok_embd_.data, hp.n_embd, hp.n_vocab, tok_dev_, n, x_, stream());
+    for (int64_t il = 0; il < hp.n_layer; ++il) {
+        attention_block(il, n);
+        moe_block(il, n);
+    }
+    n_past_ += n;
+    if (!logits_out) return;
+    const int64_t first = all_logits ? 0 : n - 1;
+    output_head(first, n - first, logits_out);
+}
+
+void GpuContext::attention_block(int64_t il, int64_t n) {
+    const HParams &hp = model_.hp();
+    const DevLayer &l = layers_[size_t(il)];
+    const int64_t n_q = hp.n_head * hp.head_dim, n_kv = hp.n_head_kv * hp.head_dim;
+    const cudaStream_t s = stream();
+    const int32_t *pos = tok_dev_ + params_.n_batch;
+
+    cuda::rms_norm(x_, l.attn_norm, n, hp.n_embd, hp.rms_eps, hb_, s);
+    float *kc = k_cache_ + il * params_.n_ctx * n_kv, *vc = v_cache_ + il * params_.n_ctx * n_kv;
+    // The new keys and values go straight to their cache rows (positions n_past .. n_past + n - 1).
+    float *k_new = kc + n_past_ * n_kv, *v_new = vc + n_past_ * n_kv;
+    matmul(l.wq, hb_, n, q_);
+    matmul(l.wk, hb_, n, k_new);
+    matmul(l.wv, hb_, n, v_new);
+    if (hp.qkv_bias) {
+        cuda::add_bias(q_, l.bq, n, n_q, s);
+        cuda::add_bias(k_new, l.bk, n, n_kv, s);
+        cuda::add_bias(v_new, l.bv, n, n_kv, s);
+    }
+    if (hp.qk_norm == QkNorm::PER_HEAD) {
+        cuda::rms_norm(q_, l.q_norm, n * hp.n_head, hp.head_dim, hp.rms_eps, q_, s);
+        cuda::rms_norm(k_new, l.k_norm, n * hp.n_head_kv, hp.head_dim, hp.rms_eps, k_new, s);
+    } else if (hp.qk_norm == QkNorm::FULL) {
+        cuda::rms_norm(q_, l.q_norm, n, n_q, hp.rms_eps, q_, s);
+        cuda::rms_norm(k_new, l.k_norm, n, n_kv, hp.rms_eps, k_new, s);
+    }
+    cuda::rope(q_, n, hp.n_head, hp.head_dim, pos, hp.rope_freq_base, hp.rope_mode, s);
+    cuda::rope(k_new, n, hp.n_head_kv, hp.head_dim, pos, hp.rope_freq_base, hp.rope_mode, s);
+    cuda::attention(q_, kc, vc, n, n_past_, hp.n_head, hp.n_head_kv, hp.head_dim,
+                    1.0f / std::sqrt(float(hp.head_dim)), attn_, ws_, s);
+    matmul(l.wo, attn_, n, tmp_);
+    cuda::add(x_, tmp_, x_, n * hp.n_embd, s);
+}
+
+void GpuContext::moe_block(int64_t il, int64_t n) {
+    const HParams &hp = model_.hp();
+    const DevLayer &l = layers_[size_t(il)];
+    const int64_t k = hp.n_expert_used;
+    const RoutingBlock b = routing_block(n);
+    auto *h = reinterpret_cast<float *>(routing_dev_ + b.h);
+
+    cuda::rms_norm(x_, l.ffn_norm, n, hp.n_embd, hp.rms_eps, h, stream());
+    matmul(l.gate_inp, h, n, router_logits_);
+    cuda::router_topk(router_logits_, n, hp.n_expert, k, hp.norm_topk_prob, nullptr,
+                      reinterpret_cast<int32_t *>(routing_dev_ + b.ids),
+                      reinterpret_cast<float *>(routing_dev_ + b.weights), stream());
+    if (hp.shared_expert) matmul(l.gate_inp_shexp, h, n, reinterpret_cast<float *>(routing_dev_ + b.shared_gate));
+    // The one device-to-host copy and the one wait of the layer: routing, router input, shared gate.
+    backend_->copy_d2h_async(routing_host_, routing_dev_, b.bytes, compute_);
+    backend_->event_record(routing_ready_, compute_);
+    backend_->event_synchronize(routing_ready_);
+
+    routing_.n_tok = n;
+    routing_.k = k;
+    routing_.ids.resize(size_t(n * k));
+    routing_.weights.resize(size_t(n * k));
+    std::memcpy(routing_.ids.data(), routing_host_ + b.ids, size_t(n * k) * 4);
+    std::memcpy(routing_.weights.data(), routing_host_ + b.weights, size_t(n * k) * 4);
+    if (replay_) replay_->apply(il, routing_);
+    if (routing_override) routing_override(il, routing_);
+    if (on_routing) on_routing(il, routing_);
+    const auto *h_host = reinterpret_cast<const float *>(routing_host_ + b.h);
+    const std::span<const float> shared_gate =
+        hp.shared_expert ? std::span<const float>(reinterpret_cast<const float *>(routing_host_ + b.shared_gate),
+                                                  size_t(n))
+                         : std::span<const float>();
+    cur_h_dev_ = h;
+    moe_->run_layer(int32_t(il), h_host, routing_, shared_gate);
+    cuda::add(x_, tmp_, x_, n * hp.n_embd, stream());
+}
+
+void GpuContext::output_head(int64_t first, int64_t rows, float *logits_out) {
+    const HParams &hp = model_.hp();
+    for (int64_t r0 = first; r0 < first + rows; r0 += kLogitRows) {
+        const int64_t m = std::min(kLogitRows, first + rows - r0);
+        cuda::rms_norm(x_ + r0 * hp.n_embd, output_norm_, m, hp.n_embd, hp.rms_eps, hb_, stream());
+        matmul(output_, hb_, m, logits_dev_);
+        backend_->copy_d2h_async(logits_host_, logits_dev_, size_t(m * hp.n_vocab) * 4, compute_);
+        backend_->event_record(logits_ready_, compute_);
+        backend_->event_synchronize(logits_ready_);
+        std::memcpy(logits_out + (r0 - first) * hp.n_vocab, logits_host_, size_t(m * hp.n_vocab) * 4);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// the device half of the hybrid MoE block
+
+void GpuContext::launch_gpu(const MoeStep &s) {
+    const HParams &hp = model_.hp();
+    const ExpertLayout &x = store_->layout(s.layer);
+    const cudaStream_t st = stream();
+    // Pack the step's arrays into the pinned mirror; one host-to-device copy moves them.
+    size_t off = 0;
+    auto put = [&](const void *src, size_t bytes) {
+        const size_t o = off;
+        if (bytes) std::memcpy(meta_host_ + o, src, bytes);
+        off = align_up(o + bytes, 16);
+        return o;
+    };
+    const size_t n_ptr = size_t(s.n_gpu) * sizeof(void *);
+    const size_t o_gate = off;
+    off = align_up(o_gate + n_ptr, 16);
+    const size_t o_up = off;
+    off = align_up(o_up + n_ptr, 16);
+    const size_t o_down = off;
+    off = align_up(o_down + n_ptr, 16);
+    auto *gate_w = reinterpret_cast<const void **>(meta_host_ + o_gate);
+    auto *up_w = reinterpret_cast<const void **>(meta_host_ + o_up);
+    auto *down_w = reinterpret_cast<const void **>(meta_host_ + o_down);
+    for (int32_t i = 0; i < s.n_gpu; ++i) {
+        const auto *slot = static_cast<const uint8_t *>(s.gpu_expert[size_t(i)]);
+        gate_w[i] = slot;
+        up_w[i] = slot + x.up_offset;
+        down_w[i] = slot + x.down_offset;
+    }
+    const size_t o_off = put(s.gpu_offsets.data(), size_t(s.n_gpu + 1) * 4);
+    const size_t o_rows = put(s.gpu_rows.data(), size_t(s.n_gpu_pairs) * 4);
+    const size_t o_pid = put(s.pair_ids.data(), size_t(s.n_tok * s.k_comb) * 4);
+    const size_t o_w = put(s.weights.data(), size_t(s.n_tok * s.k_comb) * 4);
+    PRESCOPE_ASSERT(off <= meta_bytes_);
+    backend_->copy_h2d_async(meta_dev_, meta_host_, off, compute_);
+    cur_pair_ids_dev_ = reinterpret_cast<const int32_t *>(meta_dev_ + o_pid);
+    cur_weights_dev_ = reinterpret_cast<const float *>(meta_dev_ + o_w);
+
+    if (s.n_gpu > 0) {
+        cuda::ExpertMatmul g;
+        g.n_expert = s.n_gpu;
+        g.offsets_dev = reinterpret_cast<const int32_t *>(meta_dev_ + o_off);
+        g.offsets_host = reinterpret_cast<const int32_t *>(meta_host_ + o_off);
+        g.rows_dev = reinterpret_cast<const int32_t *>(meta_dev_ + o_rows);
+        g.n_in = hp.n_embd;
+        g.n_out = x.n_ff;
+        g.type = x.gate_type;
+        g.w_dev = reinterpret_cast<const void *const *>(meta_dev_ + o_gate);
+        g.w_host = gate_w;
+        cuda::expert_matmul(g, cur_h_dev_, gate_, ws_, st);
+        g.type = x.up_type;
+        g.w_dev = reinterpret_cast<const void *const *>(meta_dev_ + o_up);
+        g.w_host = up_w;
+        cuda::expert_matmul(g, cur_h_dev_, up_, ws_, st);
+        cuda::swiglu(gate_, up_, gate_, s.n_gpu_pairs * x.n_ff, st);
+        g.type = x.down_type;
+        g.n_in = x.n_ff;
+        g.n_out = hp.n_embd;
+        g.rows_dev = nullptr;  // the intermediates are already in pair order
+        g.w_dev = reinterpret_cast<const void *const *>(meta_dev_ + o_down);
+        g.w_host = down_w;
+        cuda::expert_matmul(g, gate_, pairs_, ws_, st);
+    }
+    if (s.k_comb > s.k) {
+        const DevLayer &l = layers_[size_t(s.layer)];
+        matmul(l.gate_shexp, cur_h_dev_, s.n_tok, sh_gate_);
+        matmul(l.up_shexp, cur_h_dev_, s.n_tok, sh_up_);
+        cuda::swiglu(sh_gate_, sh_up_, sh_gate_, s.n_tok * hp.n_ff_shexp, st);
+        matmul(l.down_shexp, sh_gate_, s.n_tok, pairs_ + (s.n_gpu_pairs + s.n_cpu_pairs) * hp.n_embd);
+    }
+}
+
+void GpuContext::combine(const MoeStep &s) {
+    const int64_t n_embd = model_.hp().n_embd;
+    if (s.n_cpu_pairs > 0) {
+        backend_->copy_h2d_async(pairs_ + s.n_gpu_pairs * n_embd, cpu_out_host_, size_t(s.n_cpu_pairs * n_embd) * 4,
+                                 compute_);
+    }
+    cuda::moe_combine(pairs_, cur_pair_ids_dev_, cur_weights_dev_, s.n_tok, s.k_comb, n_embd, false, tmp_, stream());
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// reports
+
+std::string GpuContext::startup_text() const {
+    const HParams &hp = model_.hp();
+    std::string out;
+    out += fmt::format("device: {}\n", backend_->info().describe());
+    out += fmt::format("model: {} | {} layers, {} experts, top-{} | expert {} | non-expert weights on the GPU {}\n",
+                       hp.arch, hp.n_layer, hp.n_expert, hp.n_expert_used,
+                       format_byte_size(store_->layout(0).bytes), format_byte_size(weights_bytes_));
+    out += fmt::format("GPU memory: weights {} + KV cache and activations {} + expert slots {} | host transfers: {}\n",
+                       format_byte_size(weights_bytes_), format_byte_size(arena_bytes_),
+                       format_byte_size(uint64_t(cache_->n_slots()) * cache_->slot_bytes()),
+                       pinned_ ? "pinned " + format_byte_size(pinned_bytes_) : std::string("pageable (pinning refused)"));
+    out += store_->describe() + "\n";
+    out += cache_->describe() + "\n";
+    out += "placement: " + plan_.summary() + "\n";
+    out += fmt::format("predictor: {} (window {}) | cpu_threshold {} | copy engine: chunk {}, depth {}{}\n",
+                       predictor_ ? predictor_->name() : "none", predictor_ ? config_.prefetch_window : 0,
+                       config_.cpu_threshold, format_byte_size(config_.copy.chunk_bytes), config_.copy.queue_depth,
+                       config_.copy.bandwidth_cap_bytes_per_s > 0
+                           ? fmt::format(", cap {:.2f} GB/s", config_.copy.bandwidth_cap_bytes_per_s / 1e9)
+                           : std::string());
+    out += (replay_ ? replay_->describe() : std::string("routing: the model's router")) + "\n";
+    return out;
+}
+
+namespace {
+
+CopyStats minus(CopyStats a, const CopyStats &b) {
+    a.requests_submitted -= b.requests_submitted;
+    a.requests_done -= b.requests_done;
+    a.requests_cancelled -= b.requests_cancelled;
+    a.requests_promoted -= b.requests_promoted;
+    a.chunks_done -= b.chunks_done;
+    a.bytes_done -= b.bytes_done;
+    a.bytes_demand -= b.bytes_demand;
+    a.bytes_prefetch -= b.bytes_prefetch;
+    a.busy_us -= b.busy_us;
+    return a;
+}
+
+} // namespace
+
+void GpuContext::reset_stats() {
+    cache_->reset_stats();
+    copy_base_ = engine_->stats();
+    moe_base_ = moe_->stats();
+    tokens_prefill_ = tokens_decode_ = 0;
+}
+
+std::string GpuContext::stats_text() const {
+    const CacheLayerStats t = cache_->total_stats();
+    const CopyStats c = minus(engine_->stats(), copy_base_);
+    const HybridMoeStats &m = moe_->stats();
+    const int64_t tokens = tokens_prefill_ + tokens_decode_;
+    std::string out = fmt::format("offload counters: {} tokens ({} prefill, {} decode)\n", tokens, tokens_prefill_,
+                                  tokens_decode_);
+    out += cache_->stats_table();
+    out += fmt::format("hit rate {:.1f}% | prefetch hits {} | wasted prefetch {} | demand misses {} | CPU runs {} | "
+                       "stall {:.2f} ms (device waits {:.2f} ms, waits for copy issue {:.2f} ms)\n",
+                       100.0 * t.hit_rate(), t.prefetch_hits, format_byte_size(t.wasted_prefetch_bytes),
+                       t.demand_misses, t.cpu_runs, t.stall_us * 1e-3,
+                       (m.device_stall_us - moe_base_.device_stall_us) * 1e-3,
+                       (m.wait_issue_us - moe_base_.wait_issue_us) * 1e-3);
+    out += fmt::format("PCIe: {} host-to-device ({} demand, {} prefetch), {:.2f} GB/s while copying, {} per token; "
+                       "requests {} done, {} cancelled, {} promoted\n",
+                       format_byte_size(c.bytes_done), format_byte_size(c.bytes_demand),
+                       format_byte_size(c.bytes_prefetch), c.achieved_gb_s(),
+                       format_byte_size(tokens ? c.bytes_done / uint64_t(tokens) : 0), c.requests_done,
+                       c.requests_cancelled, c.requests_promoted);
+    out += fmt::format("host: CPU experts {:.1f} ms, predictor and prefetch {:.1f} ms\n",
+                       (m.cpu_expert_us - moe_base_.cpu_expert_us) * 1e-3, (m.predict_us - moe_base_.predict_us) * 1e-3);
+    if (replay_) out += fmt::format("routing: {} tokens replayed from {}\n", replay_->tokens_replayed(), replay_->path());
+    return out;
+}
+
+nlohmann::json GpuContext::stats_json() const {
+    const CacheLayerStats t = cache_->total_stats();
+    const CopyStats c = minus(engine_->stats(), copy_base_);
+    const HybridMoeStats &m = moe_->stats();
+    const int64_t tokens = tokens_prefill_ + tokens_decode_;
+    nlohmann::json j;
+    j["routing"] = routing_source(replay_.get());
+    j["device"] = backend_->name();
+    j["gpu_mem_gib"] = double(weights_bytes_ + arena_bytes_ + uint64_t(cache_->n_slots()) * cache_->slot_bytes()) /
+                       double(uint64_t(1) << 30);
+    j["expert_slots"] = cache_->n_slots();
+    j["hit_rate"] = t.hit_rate();
+    j["pcie_gb_s"] = c.achieved_gb_s();
+    j["pcie_bytes"] = c.bytes_done;
+    j["pcie_bytes_per_token"] = tokens ? double(c.bytes_done) / double(tokens) : 0.0;
+    j["tokens"] = tokens;
+    j["stall_ms"] = t.stall_us * 1e-3;
+    j["device_stall_ms"] = (m.device_stall_us - moe_base_.device_stall_us) * 1e-3;
+    j["cpu_expert_ms"] = (m.cpu_expert_us - moe_base_.cpu_expert_us) * 1e-3;
+    j["predict_ms"] = (m.predict_us - moe_base_.predict_us) * 1e-3;
+    j["copy"] = {{"bytes_done", c.bytes_done},
+                 {"bytes_demand", c.bytes_demand},
+                 {"bytes_prefetch", c.bytes_prefetch},
+                 {"requests_done", c.requests_done},
+                 {"requests_cancelled", c.requests_cancelled},
+                 {"requests_promoted", c.requests_promoted},
+                 {"busy_ms", c.busy_us * 1e-3}};
+    j["cache"] = cache_->stats_json();
+    j["predictor"] = predictor_ ? predictor_->name() : "none";
+    return j;
+}
+
+} // namespace prescope

@@ -1,0 +1,159 @@
+// The GPU forward pass with expert offloading (built only with CUDA): non-expert weights, KV cache and
+// activations on the GPU; per layer attention and router on the GPU, one device-to-host copy of the routing
+// and router input, then the hybrid MoE block (runtime/hybrid-moe.h) runs GPU experts from the hot-expert
+// table and CPU experts from host memory side by side, and prefetches for the next layers.
+#pragma once
+
+#include "backend/cuda/common.cuh"
+#include "backend/cuda/cuda-backend.h"
+#include "offload/copy-engine.h"
+#include "offload/expert-cache.h"
+#include "offload/expert-loader.h"
+#include "offload/expert-store.h"
+#include "offload/placement.h"
+#include "runtime/engine.h"
+#include "runtime/hybrid-moe.h"
+#include "runtime/routing-replay.h"
+
+#include <functional>
+#include <memory>
+
+namespace prescope {
+
+/// PRECONDITIONS: one thread uses it (the one that constructed it); the model outlives it.
+/// Allocates device and pinned memory only in the constructor; eval() allocates nothing on the host beyond
+/// growing logits() to the size asked for, and synchronizes the compute stream once per layer (routing)
+/// and once per batch that returns logits.
+class GpuContext final : public Engine, private MoeDevice {
+  public:
+    /// Throws prescope::Error: no CUDA device; unsupported shapes (router over 1024 experts, top-k over 32,
+    /// head sizes the attention kernel lacks); not enough device memory (with the sizes of each part);
+    /// an expert budget below one layer's top-k (with the minimum); a bad placement or routing trace file.
+    GpuContext(const Model &model, ContextParams params, const OffloadConfig &config);
+    ~GpuContext() override;
+
+    void eval(std::span<const int32_t> tokens, bool all_logits = false) override;
+    const std::vector<float> &logits() const override { return logits_; }
+    int64_t n_past() const override { return n_past_; }
+    int64_t n_ctx() const override { return params_.n_ctx; }
+    void clear() override;
+    const char *backend_name() const override { return "cuda"; }
+    std::string startup_text() const override;
+    std::string stats_text() const override;
+    nlohmann::json stats_json() const override;
+    void reset_stats() override;
+
+    const ExpertCache &cache() const { return *cache_; }
+    const CopyEngine &copy_engine() const { return *engine_; }
+
+    /// As on Context: each layer's routing after the router (trace recording), and a hook that may replace
+    /// it before the experts run (set by --routing-trace; a user hook runs after the replay).
+    std::function<void(int64_t layer, const Routing &)> on_routing;
+    std::function<void(int64_t layer, Routing &)> routing_override;
+
+  private:
+    /// A weight matrix on the device in its file dtype: n_out rows of n_in elements.
+    struct DevMatrix {
+        DType type = DType::F32;
+        int64_t n_in = 0, n_out = 0;
+        const void *data = nullptr;
+        bool empty() const { return data == nullptr; }
+    };
+    struct DevLayer {
+        const float *attn_norm = nullptr, *ffn_norm = nullptr;
+        const float *bq = nullptr, *bk = nullptr, *bv = nullptr, *q_norm = nullptr, *k_norm = nullptr;
+        DevMatrix wq, wk, wv, wo, gate_inp;
+        DevMatrix gate_shexp, up_shexp, down_shexp, gate_inp_shexp;  // shared expert (qwen2moe)
+    };
+    /// Byte offsets inside the routing block copied to the host each layer, for n_tok tokens.
+    struct RoutingBlock {
+        size_t h = 0, ids = 0, weights = 0, shared_gate = 0, bytes = 0;
+    };
+
+    void init();
+    void release() noexcept;
+    RoutingBlock routing_block(int64_t n_tok) const;
+    void upload_weights();
+    void forward_batch(const int32_t *tokens, int64_t n, bool all_logits, float *logits_out);
+    void attention_block(int64_t il, int64_t n);
+    void moe_block(int64_t il, int64_t n);
+    void output_head(int64_t first, int64_t rows, float *logits_out);
+    void matmul(const DevMatrix &w, const float *x, int64_t n_tok, float *y);
+    cudaStream_t stream() const { return CudaBackend::cuda_stream(compute_); }
+
+    // MoeDevice
+    Stream compute_stream() override { return compute_; }
+    void launch_gpu(const MoeStep &s) override;
+    float *cpu_out() override { return cpu_out_host_; }
+    void combine(const MoeStep &s) override;
+
+    const Model &model_;
+    ContextParams params_;
+    OffloadConfig config_;
+    int64_t n_past_ = 0;
+    std::vector<float> logits_;
+
+    std::unique_ptr<CudaBackend> backend_;
+    Stream compute_ = nullptr;
+    Event routing_ready_ = nullptr;  // recorded after each layer's routing copy to the host
+    Event logits_ready_ = nullptr;
+
+    // Device memory: one block for the non-expert weights, one for everything else.
+    void *weights_dev_ = nullptr;
+    uint64_t weights_bytes_ = 0;
+    void *arena_dev_ = nullptr;
+    uint64_t arena_bytes_ = 0;
+    DevMatrix tok_embd_, output_;
+    const float *output_norm_ = nullptr;
+    std::vector<DevLayer> layers_;
+    // Activations and caches (inside the arena), for up to n_batch tokens.
+    float *x_ = nullptr;         // [n_batch][n_embd] residual stream
+    float *hb_ = nullptr;        // [n_batch][n_embd] normed attention input
+    float *q_ = nullptr;         // [n_batch][n_head * head_dim]
+    float *attn_ = nullptr;      // [n_batch][n_head * head_dim]
+    float *tmp_ = nullptr;       // [n_batch][n_embd] block output before the residual add
+    float *k_cache_ = nullptr;   // [n_layer][n_ctx][n_head_kv * head_dim]
+    float *v_cache_ = nullptr;
+    float *router_logits_ = nullptr;  // [n_batch][n_expert]
+    uint8_t *routing_dev_ = nullptr;  // RoutingBlock for n_batch tokens: h, ids, weights, shared gate logits
+    float *gate_ = nullptr, *up_ = nullptr;  // [n_batch * top_k][n_ff_exp] expert intermediates
+    float *pairs_ = nullptr;     // [n_batch * top_k + n_batch][n_embd] pair outputs: GPU, CPU, shared rows
+    float *sh_gate_ = nullptr, *sh_up_ = nullptr;  // [n_batch][n_ff_shexp]
+    uint8_t *meta_dev_ = nullptr;  // per-layer step arrays (expert pointers, offsets, rows, pair ids, weights)
+    int32_t *tok_dev_ = nullptr;   // [2][n_batch]: token ids, then positions
+    float *logits_dev_ = nullptr;  // [kLogitRows][n_vocab]
+    cuda::Workspace ws_;
+    // Pinned host mirrors.
+    void *pinned_ = nullptr;                 // one cudaHostAlloc, or null when page-locking was refused:
+    std::unique_ptr<uint8_t[]> pageable_;    // then the mirrors live here
+    uint64_t pinned_bytes_ = 0;
+    uint8_t *routing_host_ = nullptr;
+    uint8_t *meta_host_ = nullptr;
+    int32_t *tok_host_ = nullptr;
+    float *cpu_out_host_ = nullptr;  // [n_batch * top_k][n_embd]
+    float *logits_host_ = nullptr;   // [kLogitRows][n_vocab]
+    uint64_t meta_bytes_ = 0;
+    Routing routing_;
+    // The layer being run: router input and combine arrays on the device.
+    const float *cur_h_dev_ = nullptr;
+    const int32_t *cur_pair_ids_dev_ = nullptr;
+    const float *cur_weights_dev_ = nullptr;
+
+    // Offloading.
+    std::unique_ptr<RoutingReplay> replay_;
+    std::unique_ptr<ExpertStore> store_;
+    PlacementPlan plan_;
+    std::unique_ptr<ExpertCache> cache_;
+    std::unique_ptr<CopyEngine> engine_;
+    std::unique_ptr<ExpertLoader> loader_;
+    std::unique_ptr<Predictor> predictor_;
+    OraclePredictor *oracle_ = nullptr;
+    std::unique_ptr<HybridMoe> moe_;
+
+    // Counters since reset_stats().
+    int64_t tokens_prefill_ = 0, tokens_decode_ = 0;
+    CopyStats copy_base_;  // engine counters at the last reset
+    HybridMoeStats moe_base_;
+};
+
+} // namespace prescope

@@ -1,0 +1,42 @@
+// RoutingReplay: trace tokens in order, wrapping, as the routing of each layer.
+#include "runtime/routing-replay.h"
+
+#include "core/error.h"
+
+#include <fmt/format.h>
+
+namespace prescope {
+
+RoutingReplay::RoutingReplay(const std::string &path, const HParams &hp) : path_(path), trace_(read_trace(path)) {
+    if (trace_.n_layer != hp.n_layer || trace_.n_expert != hp.n_expert || trace_.top_k != hp.n_expert_used) {
+        fail("{}: the trace routes {} layers x {} experts, top-{}; the model has {} x {}, top-{}", path,
+             trace_.n_layer, trace_.n_expert, trace_.top_k, hp.n_layer, hp.n_expert, hp.n_expert_used);
+    }
+    if (trace_.n_tokens() == 0) fail("{}: the trace holds no tokens", path);
+    n_layer_ = hp.n_layer;
+}
+
+void RoutingReplay::apply(int64_t layer, Routing &r) {
+    const int64_t k = trace_.top_k, n = trace_.n_tokens();
+    PRESCOPE_ASSERT(r.k == k && r.ids.size() >= size_t(r.n_tok * k) && r.weights.size() >= size_t(r.n_tok * k));
+    for (int64_t t = 0; t < r.n_tok; ++t) {
+        const int64_t token = (cursor_ + t) % n;
+        const uint8_t *ids = trace_.ids(token, int32_t(layer)), *q = trace_.gates(token, int32_t(layer));
+        for (int64_t j = 0; j < k; ++j) {
+            r.ids[size_t(t * k + j)] = ids[j];
+            r.weights[size_t(t * k + j)] = float(q[j]) / float(RoutingTrace::GATE_WEIGHT_SCALE);
+        }
+    }
+    if (layer == n_layer_ - 1) {
+        cursor_ = (cursor_ + r.n_tok) % n;
+        replayed_ += r.n_tok;
+    }
+}
+
+std::string RoutingReplay::describe() const {
+    return fmt::format("routing: REPLAYED from {} ({} tokens of {} sequences, model '{}'; the router's choices are "
+                       "ignored)",
+                       path_, trace_.n_tokens(), trace_.sequences.size(), trace_.model);
+}
+
+} // namespace prescope

@@ -1,0 +1,299 @@
+// The GPU offloading runtime (runtime/gpu-context.h) on a CUDA device: logits against the HF references of
+// the tiny test models, greedy tokens identical to the references and to the CPU engine, and offloading that
+// does not change the result (a budget holding every expert against one holding a layer's top-k). Exits 77
+// (CTest: skipped) when no CUDA device is usable, so CPU-only machines stay green.
+#include "arch/arch.h"
+#include "backend/cuda/cuda-backend.h"
+#include "core/error.h"
+#include "offload/expert-store.h"
+#include "offload/trace.h"
+#include "runtime/context.h"
+#include "runtime/gpu-context.h"
+#include "runtime/sampler.h"
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <numeric>
+#include <random>
+
+using namespace prescope;
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+std::vector<fs::path> reference_files() {
+    std::vector<fs::path> out;
+    for (const auto &e : fs::recursive_directory_iterator(fs::path(PRESCOPE_SOURCE_DIR) / "tests/data/models")) {
+        if (e.path().filename().string().ends_with(".ref.json")) out.push_back(e.path());
+    }
+    std::sort(out.begin(), out.end());
+    return out;
+}
+
+json read_json(const fs::path &p) {
+    std::ifstream in(p);
+    return json::parse(in);
+}
+
+std::vector<float> read_f32(const fs::path &p) {
+    std::ifstream in(p, std::ios::binary);
+    std::vector<float> v(fs::file_size(p) / 4);
+    in.read(reinterpret_cast<char *>(v.data()), std::streamsize(v.size() * 4));
+    return v;
+}
+
+/// Bytes of a budget holding `per_layer` slots in every layer.
+uint64_t budget_for(const Model &model, int64_t per_layer) {
+    uint64_t slot = 0;
+    for (int64_t l = 0; l < model.hp().n_layer; ++l) slot = std::max(slot, ExpertLayout::of(model, l).bytes);
+    slot = (slot + 255) / 256 * 256;
+    return slot * uint64_t(per_layer) * uint64_t(model.hp().n_layer);
+}
+
+OffloadConfig offload(const Model &model, int64_t slots_per_layer, int32_t cpu_threshold = 0,
+                      const std::string &predictor = "fate") {
+    OffloadConfig c;
+    c.gpu = true;
+    c.gpu_cache_bytes = budget_for(model, slots_per_layer);
+    c.cpu_threshold = cpu_threshold;
+    c.predictor = predictor;
+    c.prefetch_window = predictor == "none" ? 0 : 2;
+    c.copy.chunk_bytes = 64 << 10;  // several chunks per expert of the test models
+    return c;
+}
+
+struct Greedy {
+    std::vector<int32_t> tokens;
+    std::vector<float> logits;  // every step's logits, concatenated
+};
+
+Greedy greedy(Engine &e, const std::vector<int32_t> &prompt, size_t n, int64_t n_vocab) {
+    Greedy g;
+    e.eval(prompt);
+    for (size_t i = 0; i < n; ++i) {
+        g.logits.insert(g.logits.end(), e.logits().begin(), e.logits().end());
+        const int32_t next = argmax(e.logits().data(), n_vocab);
+        g.tokens.push_back(next);
+        e.eval({&next, 1});
+    }
+    return g;
+}
+
+double max_abs_diff(const std::vector<float> &a, const std::vector<float> &b) {
+    EXPECT_EQ(a.size(), b.size());
+    double m = 0;
+    for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) {
+        if (std::isnan(a[i]) || std::isnan(b[i])) return INFINITY;
+        m = std::max(m, std::fabs(double(a[i]) - double(b[i])));
+    }
+    return m;
+}
+
+class GpuReference : public ::testing::TestWithParam<fs::path> {};
+
+std::string param_name(const ::testing::TestParamInfo<fs::path> &info) {
+    std::string s = info.param.parent_path().filename().string() + "_" + info.param.filename().string();
+    for (char &c : s) c = std::isalnum(static_cast<unsigned char>(c)) ? c : '_';
+    return s;
+}
+
+} // namespace
+
+// Against HF transformers on the same weights (tests/data/models, docs/references.md), with the reference's
+// tolerance (1e-4 x the largest |logit|): batches of 7 tokens keep every product on the F32 GEMV kernels.
+TEST_P(GpuReference, LogitsAtEveryPositionWithinTheReferenceTolerance) {
+    const json ref = read_json(GetParam());
+    const auto model = Model::load((GetParam().parent_path() / ref["model"].get<std::string>()).string());
+    const auto ids = ref["sequence_ids"].get<std::vector<int32_t>>();
+    const std::vector<float> expected = read_f32(GetParam().parent_path() / ref["logits_file"].get<std::string>());
+    const auto rows = ref["logits_shape"][0].get<size_t>();
+    const double tol = ref["tolerance"]["max_abs_logit_error"].get<double>();
+    for (int64_t slots : {model->hp().n_expert, model->hp().n_expert_used}) {
+        GpuContext gpu(*model, {int64_t(ids.size()) + 1, 7}, offload(*model, slots));
+        gpu.eval({ids.data(), rows}, /*all_logits=*/true);
+        const double err = max_abs_diff(gpu.logits(), expected);
+        EXPECT_LE(err, tol) << GetParam() << " with " << slots << " slots per layer";
+        RecordProperty("max_abs_logit_error_slots_" + std::to_string(slots), std::to_string(err));
+    }
+}
+
+TEST_P(GpuReference, GreedyTokensIdenticalToTheReferenceAtEveryBudget) {
+    const json ref = read_json(GetParam());
+    const auto model = Model::load((GetParam().parent_path() / ref["model"].get<std::string>()).string());
+    const auto prompt = ref["prompt_ids"].get<std::vector<int32_t>>();
+    const auto expected = ref["greedy"].get<std::vector<int32_t>>();
+    const int64_t n_ctx = int64_t(prompt.size() + expected.size()) + 1;
+    const int64_t n_vocab = model->hp().n_vocab, k = model->hp().n_expert_used;
+    GpuContext all(*model, {n_ctx, 512}, offload(*model, model->hp().n_expert));
+    const Greedy a = greedy(all, prompt, expected.size(), n_vocab);
+    EXPECT_EQ(a.tokens, expected) << GetParam();
+    // A layer's top-k only: misses fetched on demand (threshold 0) or run on the CPU (threshold 2).
+    for (int32_t threshold : {0, 2}) {
+        GpuContext few(*model, {n_ctx, 512}, offload(*model, k, threshold));
+        const Greedy b = greedy(few, prompt, expected.size(), n_vocab);
+        EXPECT_EQ(b.tokens, expected) << GetParam() << " cpu_threshold " << threshold;
+        EXPECT_LE(max_abs_diff(a.logits, b.logits), ref["tolerance"]["max_abs_logit_error"].get<double>())
+            << "offloading changed the logits beyond the reference tolerance, cpu_threshold " << threshold;
+        const CacheLayerStats s = few.cache().total_stats();
+        EXPECT_GT(s.demand_misses + s.cpu_runs, 0u);
+        EXPECT_GT(few.copy_engine().stats().bytes_done, 0u);
+    }
+    // Every expert on the CPU beside GPU attention.
+    GpuContext none(*model, {n_ctx, 512}, offload(*model, 0, 0, "none"));
+    EXPECT_EQ(greedy(none, prompt, expected.size(), n_vocab).tokens, expected) << "budget 0";
+    EXPECT_EQ(none.cache().total_stats().cpu_runs, none.cache().total_stats().accesses());
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, GpuReference, ::testing::ValuesIn(reference_files()), param_name);
+
+// With every miss fetched (cpu_threshold 0), decode steps run the same kernels on the same bytes whatever
+// the budget: the offloaded run equals the resident run exactly (docs/style R7's key invariant).
+TEST(GpuOffload, DecodeWithFewSlotsEqualsAllResidentBitForBit) {
+    const auto model =
+        Model::load((fs::path(PRESCOPE_SOURCE_DIR) / "tests/data/models/qwen3moe/tiny-q8_0.gguf").string());
+    const std::vector<int32_t> prompt{11};
+    GpuContext all(*model, {64, 1}, offload(*model, model->hp().n_expert));
+    GpuContext few(*model, {64, 1}, offload(*model, model->hp().n_expert_used, 0, "frequency"));
+    const Greedy a = greedy(all, prompt, 40, model->hp().n_vocab);
+    const Greedy b = greedy(few, prompt, 40, model->hp().n_vocab);
+    EXPECT_EQ(a.tokens, b.tokens);
+    EXPECT_EQ(max_abs_diff(a.logits, b.logits), 0.0);
+    const CacheLayerStats s = few.cache().total_stats();
+    EXPECT_EQ(s.cpu_runs, 0u);
+    EXPECT_GT(s.hits, 0u);
+    EXPECT_GT(s.demand_misses, 0u);
+    EXPECT_GT(s.prefetch_loads, 0u);
+}
+
+// The bundled demo model (models/demo, when present): CPU and GPU engines give the same greedy tokens, and
+// so do a full and a small expert budget.
+TEST(GpuOffload, DemoModelCpuAndGpuAgree) {
+    const fs::path dir = fs::path(PRESCOPE_SOURCE_DIR) / "models/demo";
+    std::vector<fs::path> files;
+    if (fs::exists(dir)) {
+        for (const auto &e : fs::directory_iterator(dir)) {
+            if (e.path().extension() == ".gguf") files.push_back(e.path());
+        }
+    }
+    if (files.empty()) GTEST_SKIP() << "no models/demo/*.gguf";
+    for (const fs::path &f : files) {
+        const auto model = Model::load(f.string());
+        const int64_t n_vocab = model->hp().n_vocab;
+        std::vector<int32_t> prompt;
+        for (int i = 0; i < 24; ++i) prompt.push_back(int32_t((i * 131 + 7) % n_vocab));
+        Context cpu(*model, {128, 512});
+        std::vector<int32_t> want;
+        cpu.eval(prompt);
+        for (int i = 0; i < 32; ++i) {
+            const int32_t next = argmax(cpu.logits().data(), n_vocab);
+            want.push_back(next);
+            cpu.eval({&next, 1});
+        }
+        GpuContext all(*model, {128, 512}, offload(*model, model->hp().n_expert));
+        EXPECT_EQ(greedy(all, prompt, 32, n_vocab).tokens, want) << f;
+        GpuContext few(*model, {128, 512}, offload(*model, model->hp().n_expert_used + 1, 2));
+        EXPECT_EQ(greedy(few, prompt, 32, n_vocab).tokens, want) << f << " with few slots";
+        std::fprintf(stderr, "%s, %lld slots per layer:\n%s", f.filename().c_str(),
+                     (long long)(model->hp().n_expert_used + 1), few.stats_text().c_str());
+    }
+}
+
+// --routing-trace: each layer's experts come from the trace, on the GPU as on the CPU.
+TEST(GpuOffload, ReplayedRoutingIsWhatTheLayersRun) {
+    const auto model =
+        Model::load((fs::path(PRESCOPE_SOURCE_DIR) / "tests/data/models/mixtral/tiny-f32.gguf").string());
+    const HParams &hp = model->hp();
+    RoutingTrace t;
+    t.model = "random";
+    t.arch = hp.arch;
+    t.n_layer = int32_t(hp.n_layer);
+    t.n_expert = int32_t(hp.n_expert);
+    t.top_k = int32_t(hp.n_expert_used);
+    std::mt19937 rng(3);
+    const int n_tok = 9;
+    for (int i = 0; i < n_tok; ++i) {
+        std::vector<int32_t> ids;
+        std::vector<float> w;
+        for (int64_t l = 0; l < hp.n_layer; ++l) {
+            std::vector<int32_t> all(size_t(hp.n_expert));
+            std::iota(all.begin(), all.end(), 0);
+            std::shuffle(all.begin(), all.end(), rng);
+            for (int64_t j = 0; j < hp.n_expert_used; ++j) {
+                ids.push_back(all[size_t(j)]);
+                w.push_back(1.0f / float(hp.n_expert_used));
+            }
+        }
+        t.append_token(uint32_t(i), ids, w);
+    }
+    t.sequences.push_back({"s", "test", n_tok});
+    const fs::path path = fs::temp_directory_path() / "prescope-test-replay.pstrace";
+    write_trace(path.string(), t);
+
+    OffloadConfig c = offload(*model, hp.n_expert_used);
+    c.routing_trace = path.string();
+    GpuContext gpu(*model, {32, 4}, c);
+    std::vector<int32_t> seen;
+    gpu.on_routing = [&](int64_t, const Routing &r) { seen.insert(seen.end(), r.ids.begin(), r.ids.end()); };
+    std::vector<int32_t> prompt{1, 2, 3, 4, 5};
+    gpu.eval(prompt);
+    for (int32_t tok : {6, 7, 8, 9}) gpu.eval({&tok, 1});
+    // Layer-major per batch: batch [0,4) then [4,5), then single tokens.
+    std::vector<int32_t> want;
+    auto add_batch = [&](int first, int n) {
+        for (int64_t l = 0; l < hp.n_layer; ++l) {
+            for (int i = first; i < first + n; ++i) {
+                const uint8_t *ids = t.ids(i, int32_t(l));
+                want.insert(want.end(), ids, ids + hp.n_expert_used);
+            }
+        }
+    };
+    add_batch(0, 4);
+    add_batch(4, 1);
+    for (int i = 5; i < 9; ++i) add_batch(i, 1);
+    EXPECT_EQ(seen, want);
+    EXPECT_EQ(gpu.stats_json()["routing"], "replayed:prescope-test-replay.pstrace");
+
+    // The CPU engine replays the same routing: the same logits within the reference tolerance.
+    CpuEngine cpu(*model, {32, 4}, c);
+    cpu.eval(prompt);
+    GpuContext gpu2(*model, {32, 4}, c);
+    gpu2.eval(prompt);
+    EXPECT_LE(max_abs_diff(cpu.logits(), gpu2.logits()), 1e-3);
+    fs::remove(path);
+}
+
+TEST(GpuOffload, BadStatesAreClearErrors) {
+    const auto model =
+        Model::load((fs::path(PRESCOPE_SOURCE_DIR) / "tests/data/models/qwen3moe/tiny-f32.gguf").string());
+    OffloadConfig c = offload(*model, model->hp().n_expert_used);
+    c.gpu_cache_bytes -= 1;  // one byte short of a layer's top-k in every layer
+    try {
+        GpuContext gpu(*model, {32, 4}, c);
+        FAIL() << "no error";
+    } catch (const Error &e) {
+        EXPECT_NE(std::string(e.what()).find("at least"), std::string::npos) << e.what();
+    }
+    c.gpu_cache_bytes = uint64_t(1) << 50;  // 1 PiB
+    try {
+        GpuContext gpu(*model, {32, 4}, c);
+        FAIL() << "no error";
+    } catch (const Error &e) {
+        EXPECT_NE(std::string(e.what()).find("not enough GPU memory"), std::string::npos) << e.what();
+    }
+}
+
+int main(int argc, char **argv) {
+    std::string why;
+    if (cuda_device_count(&why) == 0) {
+        std::printf("no CUDA device (%s): GPU tests skipped\n", why.c_str());
+        return 77;
+    }
+    ::testing::InitGoogleTest(&argc, argv);
+    return RUN_ALL_TESTS();
+}

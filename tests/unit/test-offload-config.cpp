@@ -1,0 +1,190 @@
+// Offloading settings (offload/offload-config.h: YAML file, then flags), routing-trace replay
+// (runtime/routing-replay.h) through the CPU engine, and the engine and predictor factories (runtime/engine.h).
+#include "arch/arch.h"
+#include "core/error.h"
+#include "offload/offload-config.h"
+#include "offload/trace.h"
+#include "runtime/engine.h"
+#include "runtime/routing-replay.h"
+#ifdef PRESCOPE_USE_CUDA
+#include "backend/cuda/cuda-backend.h"
+#endif
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <filesystem>
+#include <fstream>
+#include <numeric>
+#include <random>
+
+using namespace prescope;
+namespace fs = std::filesystem;
+
+namespace {
+
+std::string error_of(const std::function<void()> &f) {
+    try {
+        f();
+    } catch (const Error &e) {
+        return e.what();
+    }
+    return "(no error)";
+}
+
+fs::path write_file(const std::string &name, const std::string &text) {
+    const fs::path p = fs::temp_directory_path() / name;
+    std::ofstream(p) << text;
+    return p;
+}
+
+std::unique_ptr<Model> tiny(const std::string &arch = "qwen3moe") {
+    return Model::load((fs::path(PRESCOPE_SOURCE_DIR) / "tests/data/models" / arch / "tiny-f32.gguf").string());
+}
+
+} // namespace
+
+TEST(OffloadConfig, TextValuesParseAndPrintBack) {
+    OffloadConfig c;
+    EXPECT_FALSE(c.gpu);
+    c.set("gpu_cache", "12GiB", "test");
+    c.set("cache_policy", "ARC", "test");
+    c.set("cpu_threshold", "16", "test");
+    c.set("prefetch_window", "3", "test");
+    c.set("copy_chunk", "1MiB", "test");
+    c.set("copy_bandwidth_cap", "20GB", "test");
+    EXPECT_TRUE(c.gpu);
+    EXPECT_EQ(c.gpu_cache_bytes, uint64_t(12) << 30);
+    EXPECT_EQ(c.cache_policy, EvictionPolicyKind::ARC);
+    EXPECT_EQ(c.cpu_threshold, 16);
+    EXPECT_EQ(c.prefetch_window, 3);
+    EXPECT_EQ(c.copy.chunk_bytes, size_t(1) << 20);
+    EXPECT_EQ(c.copy.bandwidth_cap_bytes_per_s, 20e9);
+    EXPECT_EQ(c.get("gpu_cache"), "12.00 GiB");
+    for (const std::string &k : OffloadConfig::keys()) EXPECT_NE(c.describe().find(k + ":"), std::string::npos) << k;
+}
+
+TEST(OffloadConfig, BadValuesNameTheSourceAndTheKey) {
+    OffloadConfig c;
+    EXPECT_NE(error_of([&] { c.set("cpu_threshold", "-1", "--cpu-threshold"); }).find("--cpu-threshold: cpu_threshold"),
+              std::string::npos);
+    EXPECT_NE(error_of([&] { c.set("gpu_cache", "12 parsecs", "x.yaml"); }).find("x.yaml"), std::string::npos);
+    EXPECT_NE(error_of([&] { c.set("cache_policy", "fifo", "x.yaml"); }).find("lru"), std::string::npos);
+    EXPECT_NE(error_of([&] { c.set("copy_queue_depth", "0", "f"); }).find("[1, 1024]"), std::string::npos);
+    EXPECT_NE(error_of([&] { c.set("prefetch", "1", "f"); }).find("unknown key 'prefetch'"), std::string::npos);
+}
+
+TEST(OffloadConfig, YamlFileThenFlagsOverride) {
+    const fs::path p = write_file("prescope-offload.yaml", "prefetch_window: 3\ncpu_threshold: 16\ngpu_cache: 12GB\n");
+    OffloadConfig c;
+    c.load_yaml(p.string());
+    EXPECT_EQ(c.prefetch_window, 3);
+    EXPECT_EQ(c.cpu_threshold, 16);
+    EXPECT_EQ(c.gpu_cache_bytes, 12000000000u);
+    c.set("cpu_threshold", "2", "--cpu-threshold");  // what the CLI does with flags after the file
+    EXPECT_EQ(c.cpu_threshold, 2);
+    EXPECT_EQ(c.prefetch_window, 3);
+    const fs::path bad = write_file("prescope-offload-bad.yaml", "prefetch_window: [1, 2]\n");
+    EXPECT_NE(error_of([&] { c.load_yaml(bad.string()); }).find("prefetch_window: expected a single value"),
+              std::string::npos);
+    const fs::path unknown = write_file("prescope-offload-unknown.yaml", "gpu_cahce: 1GiB\n");
+    EXPECT_NE(error_of([&] { c.load_yaml(unknown.string()); }).find("unknown key 'gpu_cahce'"), std::string::npos);
+    fs::remove(p);
+    fs::remove(bad);
+    fs::remove(unknown);
+}
+
+TEST(RoutingReplay, LayersRunTheTracesExpertsInTokenOrderAndWrap) {
+    const auto model = tiny("mixtral");
+    const HParams &hp = model->hp();
+    RoutingTrace t;
+    t.model = "random";
+    t.arch = hp.arch;
+    t.n_layer = int32_t(hp.n_layer);
+    t.n_expert = int32_t(hp.n_expert);
+    t.top_k = int32_t(hp.n_expert_used);
+    std::mt19937 rng(5);
+    const int n_tok = 6;
+    for (int i = 0; i < n_tok; ++i) {
+        std::vector<int32_t> ids;
+        std::vector<float> w;
+        for (int64_t l = 0; l < hp.n_layer; ++l) {
+            std::vector<int32_t> e(size_t(hp.n_expert));
+            std::iota(e.begin(), e.end(), 0);
+            std::shuffle(e.begin(), e.end(), rng);
+            for (int64_t j = 0; j < hp.n_expert_used; ++j) {
+                ids.push_back(e[size_t(j)]);
+                w.push_back(0.5f);
+            }
+        }
+        t.append_token(uint32_t(i), ids, w);
+    }
+    t.sequences.push_back({"s", "test", n_tok});
+    const fs::path path = fs::temp_directory_path() / "prescope-unit-replay.pstrace";
+    write_trace(path.string(), t);
+
+    OffloadConfig c;
+    c.routing_trace = path.string();
+    CpuEngine engine(*model, {32, 4}, c);
+    std::vector<int32_t> seen;
+    std::vector<float> weights;
+    engine.context().on_routing = [&](int64_t, const Routing &r) {
+        seen.insert(seen.end(), r.ids.begin(), r.ids.end());
+        weights.insert(weights.end(), r.weights.begin(), r.weights.end());
+    };
+    const std::vector<int32_t> prompt{1, 2, 3, 4, 5};
+    engine.eval(prompt);  // batches of 4 and 1: trace tokens 0-3, 4
+    for (int32_t tok : {6, 7}) engine.eval({&tok, 1});  // trace tokens 5, then 0 (wrapped)
+    std::vector<int32_t> want;
+    for (auto [first, n] : {std::pair{0, 4}, {4, 1}, {5, 1}, {0, 1}}) {
+        for (int64_t l = 0; l < hp.n_layer; ++l) {
+            for (int i = first; i < first + n; ++i) {
+                want.insert(want.end(), t.ids(i, int32_t(l)), t.ids(i, int32_t(l)) + hp.n_expert_used);
+            }
+        }
+    }
+    EXPECT_EQ(seen, want);
+    for (float w : weights) EXPECT_FLOAT_EQ(w, 128.0f / 255.0f);  // round(0.5 * 255) / 255
+    EXPECT_NE(engine.startup_text().find("REPLAYED"), std::string::npos);
+    EXPECT_EQ(engine.stats_json()["routing"], "replayed:prescope-unit-replay.pstrace");
+
+    HParams wrong = hp;
+    wrong.n_layer += 1;
+    EXPECT_NE(error_of([&] { RoutingReplay r(path.string(), wrong); }).find("the model has"), std::string::npos);
+    fs::remove(path);
+}
+
+TEST(Engine, GpuSettingsWithoutAUsableGpuAreAClearError) {
+    const auto model = tiny();
+    OffloadConfig c;
+    c.set("gpu_cache", "1GiB", "--gpu-expert-budget");
+    // Either this build has no CUDA backend, or this machine no GPU (the CPU-only CI); on a GPU machine the
+    // GPU tests cover the other case.
+#ifdef PRESCOPE_USE_CUDA
+    if (cuda_device_count() > 0) GTEST_SKIP() << "a CUDA device is present";
+#endif
+    const std::string e = error_of([&] { make_engine(*model, {32, 4}, c); });
+    EXPECT_NE(e.find("--gpu-expert-budget"), std::string::npos) << e;
+    EXPECT_NE(e.find("CPU"), std::string::npos) << e;  // says how to run without it
+}
+
+TEST(Engine, PredictorsByName) {
+    const auto model = tiny();
+    OffloadConfig c;
+    OraclePredictor *oracle = nullptr;
+    c.predictor = "none";
+    EXPECT_EQ(make_predictor(c, *model, 4, nullptr, &oracle), nullptr);
+    for (const char *name : {"frequency", "recency", "fate"}) {
+        c.predictor = name;
+        const auto p = make_predictor(c, *model, 4, nullptr, &oracle);
+        ASSERT_NE(p, nullptr);
+        EXPECT_STREQ(p->name(), name);
+        EXPECT_EQ(oracle, nullptr);
+    }
+    c.predictor = "oracle";
+    EXPECT_NE(error_of([&] { make_predictor(c, *model, 1, nullptr, &oracle); }).find("--routing-trace"),
+              std::string::npos);
+    c.predictor = "/no/such/predictor.bin";
+    EXPECT_NE(error_of([&] { make_predictor(c, *model, 1, nullptr, &oracle); }).find("expected none, frequency"),
+              std::string::npos);
+}
