@@ -2,11 +2,12 @@
 // measures them (tools/llama-bench: pp = one batch of N random tokens into an empty cache; tg = N
 // single-token steps from an empty cache), printed as a table and JSON lines.
 #include "cli.h"
+#include "offload.h"
 
 #include "arch/arch.h"
 #include "backend/cpu/ops.h"
 #include "core/error.h"
-#include "runtime/context.h"
+#include "runtime/engine.h"
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -26,6 +27,7 @@ struct BenchArgs {
     int64_t n_gen = 128;     // -n
     int reps = 5;            // -r
     std::string output = "md";
+    OffloadArgs offload;  // the same offloading flags as generate (offload.h)
 };
 
 struct Stat {
@@ -45,7 +47,11 @@ void run_bench(const BenchArgs &a) {
     apply_common(a.common);
     const auto model = Model::load(a.common.model);
     const HParams &hp = model->hp();
-    Context ctx(*model, {std::max<int64_t>(a.n_prompt, a.n_gen) + 1, a.common.n_batch});
+    const OffloadConfig offload = resolve_offload(a.offload);
+    const std::unique_ptr<Engine> engine =
+        make_engine(*model, {std::max<int64_t>(a.n_prompt, a.n_gen) + 1, a.common.n_batch}, offload);
+    Engine &ctx = *engine;
+    print_startup(offload, ctx);
     std::mt19937 rng(1234);
     std::uniform_int_distribution<int32_t> tok(0, int32_t(hp.n_vocab - 1));
     using Clock = std::chrono::steady_clock;
@@ -72,18 +78,26 @@ void run_bench(const BenchArgs &a) {
     struct Row {
         std::string test;
         std::vector<double> samples;
+        nlohmann::json counters;  // the engine's offload counters over the repetitions
+        std::string counters_text;
     };
     std::vector<Row> rows;
     if (a.n_prompt > 0) {
         time_prefill();  // warm-up: page in the weights, start the threads
-        Row r{fmt::format("pp{}", a.n_prompt), {}};
+        Row r{fmt::format("pp{}", a.n_prompt), {}, {}, {}};
+        ctx.reset_stats();
         for (int i = 0; i < a.reps; ++i) r.samples.push_back(time_prefill());
+        r.counters = ctx.stats_json();
+        r.counters_text = ctx.stats_text();
         rows.push_back(r);
     }
     if (a.n_gen > 0) {
         time_decode();
-        Row r{fmt::format("tg{}", a.n_gen), {}};
+        Row r{fmt::format("tg{}", a.n_gen), {}, {}, {}};
+        ctx.reset_stats();
         for (int i = 0; i < a.reps; ++i) r.samples.push_back(time_decode());
+        r.counters = ctx.stats_json();
+        r.counters_text = ctx.stats_text();
         rows.push_back(r);
     }
     const double size_gib = double(model->file().file_size()) / double(1ull << 30);
@@ -92,7 +106,9 @@ void run_bench(const BenchArgs &a) {
             const Stat s = stats(r.samples);
             nlohmann::json j = {{"model", a.common.model}, {"arch", hp.arch}, {"size_gib", size_gib},
                                 {"threads", cpu::get_threads()}, {"test", r.test}, {"avg_ts", s.mean},
-                                {"stddev_ts", s.stdev}, {"samples_ts", r.samples}, {"backend", "cpu"}};
+                                {"stddev_ts", s.stdev}, {"samples_ts", r.samples}, {"backend", ctx.backend_name()}};
+            j.update(r.counters);
+            j["offload"] = offload.to_json();
             fmt::print("{}\n", j.dump());
         }
         return;
@@ -100,8 +116,11 @@ void run_bench(const BenchArgs &a) {
     fmt::print("| model | size | backend | threads | test | t/s |\n| --- | ---: | --- | ---: | ---: | ---: |\n");
     for (const auto &r : rows) {
         const Stat s = stats(r.samples);
-        fmt::print("| {} {} | {:.2f} GiB | cpu | {} | {} | {:.2f} ± {:.2f} |\n", hp.arch, hp.n_layer, size_gib,
-                   cpu::get_threads(), r.test, s.mean, s.stdev);
+        fmt::print("| {} {} | {:.2f} GiB | {} | {} | {} | {:.2f} ± {:.2f} |\n", hp.arch, hp.n_layer, size_gib,
+                   ctx.backend_name(), cpu::get_threads(), r.test, s.mean, s.stdev);
+    }
+    for (const auto &r : rows) {
+        if (!r.counters_text.empty()) fmt::print(stderr, "{}:\n{}", r.test, r.counters_text);
     }
 }
 
@@ -115,6 +134,7 @@ void register_bench(CLI::App &app) {
     cmd->add_option("-n,--n-gen", a->n_gen, "tokens of the decode test (0: skip)")->capture_default_str();
     cmd->add_option("-r,--repetitions", a->reps, "repetitions of each test")->capture_default_str()->check(CLI::PositiveNumber);
     cmd->add_option("-o,--output", a->output, "output format")->check(CLI::IsMember({"md", "json"}))->capture_default_str();
+    add_offload_flags(*cmd, a->offload);
     cmd->callback([a]() { run_bench(*a); });
 }
 

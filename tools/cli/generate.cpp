@@ -1,11 +1,12 @@
 // prescope generate: prompt -> streamed completion on stdout; logs and one stats line on stderr.
 #include "cli.h"
+#include "offload.h"
 
 #include "arch/arch.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "runtime/chat-template.h"
-#include "runtime/context.h"
+#include "runtime/engine.h"
 #include "runtime/sampler.h"
 #include "runtime/tokenizer.h"
 
@@ -25,6 +26,7 @@ struct GenerateArgs {
     int64_t n_predict = -1;   // -n; -1: until end of generation or a full context
     bool chat = false;        // --chat: wrap the prompt as a user turn in the model's chat template
     SamplerParams sampling;
+    OffloadArgs offload;      // --gpu-expert-budget, --config, ... (offload.h)
 };
 
 using Clock = std::chrono::steady_clock;
@@ -49,7 +51,10 @@ void run_generate(const GenerateArgs &a) {
     const std::vector<int32_t> prompt_ids = tok.encode(prompt, /*add_special=*/true, /*parse_special=*/true);
     if (prompt_ids.empty()) fail("the prompt is empty: pass -p TEXT or -f FILE");
 
-    Context ctx(*model, {a.common.n_ctx, a.common.n_batch});
+    const OffloadConfig offload = resolve_offload(a.offload);
+    const std::unique_ptr<Engine> engine = make_engine(*model, {a.common.n_ctx, a.common.n_batch}, offload);
+    Engine &ctx = *engine;
+    print_startup(offload, ctx);
     if (int64_t(prompt_ids.size()) >= ctx.n_ctx()) {
         fail("the prompt is {} tokens, longer than the context of {} tokens (use a larger -c)", prompt_ids.size(),
              ctx.n_ctx());
@@ -94,6 +99,7 @@ void run_generate(const GenerateArgs &a) {
                  prompt_ids.size(), double(prompt_ids.size()) / prefill_s,
                  n_decoded > 0 ? double(n_decoded) / decode_s : 0.0, (long long)n_decoded, ttft_s * 1e3,
                  peak_rss_mib(), (unsigned long long)hash_floats(logits.data(), logits.size()));
+    print_counters(ctx);
 }
 
 } // namespace
@@ -114,6 +120,7 @@ void register_generate(CLI::App &app) {
     cmd->add_option("--repeat-penalty", s.repeat_penalty, "repetition penalty (1: off)")->capture_default_str();
     cmd->add_option("--repeat-last-n", s.repeat_last_n, "tokens the penalty looks back over")->capture_default_str();
     cmd->add_option("--seed", s.seed, "RNG seed (default: random)");
+    add_offload_flags(*cmd, a->offload);
     cmd->callback([a]() { run_generate(*a); });
 }
 
