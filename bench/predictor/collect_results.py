@@ -3,7 +3,8 @@
 
 OUT.json holds {"rows": [...]} with one row per (predictor, trace, distance, layer_group): recall_at_k,
 precision_at_k, exact_match, n, plus the cache replay of each run under "cache" and the per-layer recall of
-distance 1 under "per_layer". PLOT.png shows recall@k at distance 1 by target layer, one line per run.
+distance 1 under "per_layer". PLOT.png shows recall@k at distance 1 by target layer for the runs on the first
+run's trace.
 """
 import json
 import sys
@@ -12,7 +13,8 @@ from pathlib import Path
 
 def main():
     out, plot, runs = sys.argv[1], sys.argv[2], sys.argv[3:]
-    rows, cache, per_layer = [], [], {}
+    rows, cache, per_layer, plotted = [], [], {}, {}
+    plot_trace = json.loads(Path(runs[0]).read_text())["trace"]
     for path in runs:
         r = json.loads(Path(path).read_text())
         label = f"{r['predictor']} ({r['trace']})"
@@ -22,6 +24,8 @@ def main():
         if "cache" in r:
             cache.append({"predictor": r["predictor"], "trace": r["trace"], **r["cache"]})
         per_layer[label] = [(p["layer"], p["recall_at_k"]) for p in r["per_layer"] if p["distance"] == 1]
+        if r["trace"] == plot_trace:
+            plotted[r["predictor"]] = per_layer[label]
     doc = {"description": "Expert predictors on held-out sequences (docs/predictors.md has the commands)",
            "rows": rows, "cache": cache,
            "recall_at_k_by_layer_d1": {k: [v for _, v in pts] for k, pts in per_layer.items()}}
@@ -30,11 +34,12 @@ def main():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(9, 4.5))
-    for label, pts in per_layer.items():
+    for label, pts in plotted.items():
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label, lw=1.2)
     ax.set_xlabel("predicted layer")
     ax.set_ylabel("recall@k, distance 1")
+    ax.set_title(plot_trace)
     ax.set_ylim(0, 1.02)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="lower right")

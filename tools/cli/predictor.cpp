@@ -190,7 +190,9 @@ void register_eval_predictor(CLI::App &app) {
             GroupMeasurement unused;
             a->opt.group_start = parse_groups(a->groups, t, &unused);
         }
-        const std::string name = std::filesystem::path(a->split.trace).filename().string() + ":" + a->split.split;
+        // name:split, "+hidden" when only the sidecar's tokens were replayed.
+        const std::string name = std::filesystem::path(a->split.trace).filename().string() + ":" + a->split.split +
+                                 (d.hidden ? "+hidden" : "");
         EvalResult r = evaluate_predictor(p.get(), t, d.hidden.get(), a->opt, name);
         if (!p && spec == "none") r.predictor = "none";
         else if (cfg.n_groups() > 0) r.predictor = cfg.kind + (cfg.n_groups() == 1 ? "-1group" : "");
