@@ -19,6 +19,7 @@ cd "$(dirname "$0")/../.." || exit 1
 OUT=${OUT:-$PWD/gpu-out}
 BUILD=${PRESCOPE_GPU_BUILD:-build-gpu}
 DEB_DIR=${PRESCOPE_DEB_DIR:-.carry/debs}
+RUN_LIBS=""
 JOBS=$(nproc)
 PERF=1 MEMCHECK=0 FULL=0
 for a in "$@"; do
@@ -67,7 +68,8 @@ if compgen -G "$DEB_DIR/*.deb" > /dev/null; then
     export CMAKE_PREFIX_PATH=$ROOT/usr${CMAKE_PREFIX_PATH:+:$CMAKE_PREFIX_PATH}
     export CPATH=$ROOT/usr/include${CPATH:+:$CPATH}
     export LIBRARY_PATH=$LIBDIR${LIBRARY_PATH:+:$LIBRARY_PATH}
-    export LD_LIBRARY_PATH=$LIBDIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    # Only our binaries load the carried runtime libraries; the machine's tools keep their own.
+    RUN_LIBS=$LIBDIR
     say "unpacked $(ls "$DEB_DIR"/*.deb | wc -l) carried packages from $DEB_DIR into $ROOT"
 fi
 
@@ -112,17 +114,20 @@ if ! timeout 600 ninja -C "$BUILD" -j"$JOBS" test-backend-ops > "$OUT/build-ops.
 fi
 say "built test-backend-ops ($((SECONDS - T0)) s)"
 BIN=$BUILD/bin/test-backend-ops
+run_bin() {
+    if [ -n "$RUN_LIBS" ]; then LD_LIBRARY_PATH=$RUN_LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} "$@"; else "$@"; fi
+}
 
 # --- op tests: CUDA against the CPU ------------------------------------------------------------
 # PRESCOPE_SYNC_DEBUG=1: each launcher synchronizes, so a fault names the op that caused it.
-PRESCOPE_SYNC_DEBUG=1 timeout 300 "$BIN" test > "$OUT/ops-test.log" 2>&1
+run_bin env PRESCOPE_SYNC_DEBUG=1 timeout 300 "$BIN" test > "$OUT/ops-test.log" 2>&1
 rc=$?
 say "op tests: exit $rc, $(tail -1 "$OUT/ops-test.log") ($((SECONDS - T0)) s)"
 grep -E " FAIL$" "$OUT/ops-test.log" | head -40 | tee -a "$OUT/summary.txt"
 [ $rc -eq 0 ] || tail -5 "$OUT/ops-test.log" | tee -a "$OUT/summary.txt"
 
 if [ $MEMCHECK -eq 1 ]; then
-    timeout 240 compute-sanitizer --tool memcheck --print-limit 20 "$BIN" test \
+    run_bin timeout 240 compute-sanitizer --tool memcheck --print-limit 20 "$BIN" test \
         > "$OUT/ops-memcheck.log" 2>&1
     say "memcheck: exit $?, $(grep -E 'ERROR SUMMARY' "$OUT/ops-memcheck.log" | tail -1) ($((SECONDS - T0)) s)"
 fi
@@ -130,7 +135,7 @@ fi
 # --- timings -----------------------------------------------------------------------------------
 if [ $PERF -eq 1 ]; then
     nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv > "$OUT/clocks.txt" 2>&1
-    timeout 300 "$BIN" perf --json "$OUT/ops-perf.jsonl" > "$OUT/ops-perf.log" 2>&1
+    run_bin timeout 300 "$BIN" perf --json "$OUT/ops-perf.jsonl" > "$OUT/ops-perf.log" 2>&1
     prc=$?
     say "op perf: exit $prc, $(grep -c . "$OUT/ops-perf.jsonl" 2> /dev/null || echo 0) rows ($((SECONDS - T0)) s)"
 fi
