@@ -31,6 +31,7 @@ void register_generate(CLI::App &app);
 void register_perplexity(CLI::App &app);
 void register_inspect(CLI::App &app);
 void register_bench(CLI::App &app);
+void register_tokenize(CLI::App &app);
 void register_trace(CLI::App &app);
 void register_train_predictor(CLI::App &app);
 void register_eval_predictor(CLI::App &app);

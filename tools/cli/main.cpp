@@ -15,6 +15,7 @@ int main(int argc, char **argv) {
     prescope::cli::register_perplexity(app);
     prescope::cli::register_inspect(app);
     prescope::cli::register_bench(app);
+    prescope::cli::register_tokenize(app);
     prescope::cli::register_trace(app);
     prescope::cli::register_train_predictor(app);
     prescope::cli::register_eval_predictor(app);
