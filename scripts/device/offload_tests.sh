@@ -1,0 +1,166 @@
+#!/usr/bin/env bash
+# The one command for the GPU machine, for the offloading runtime (issue 4): builds PreScope with CUDA, runs
+# the GPU tests (label gpu: tests/gpu/test-gpu-offload.cpp) and an end-to-end generate on the GPU with its
+# counters, next to the CPU run of the same prompt; every log goes under $OUT (default ./offload-out).
+#
+#   scripts/device/offload_tests.sh [--big]
+#     --big   also write an 8-layer Qwen3-30B-A3B-shaped Q8_0 model (tools/py/make_bench_model.py, ~4 GB in
+#             /tmp) and run `prescope bench` on it at two expert budgets (adds about 2 minutes)
+#
+# Missing -dev packages on that machine (no network there): download them here with
+#   mkdir -p .carry/debs && (cd .carry/debs && apt-get download <packages>)
+# and name .carry in the run's carry list; they are unpacked into /tmp/prescope-debroot.
+# Read first: $OUT/summary.txt; then test-gpu.log (gtest output), generate-*.log (start-up facts, counters).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+
+OUT=${OUT:-$PWD/offload-out}
+BUILD=${PRESCOPE_GPU_BUILD:-build-gpu}
+DEB_DIR=${PRESCOPE_DEB_DIR:-.carry/debs}
+JOBS=$(nproc)
+BIG=0
+for a in "$@"; do
+    case $a in
+    --big) BIG=1 ;;
+    *) echo "usage: $0 [--big]" >&2; exit 2 ;;
+    esac
+done
+mkdir -p "$OUT"
+: > "$OUT/summary.txt"
+say() { echo "[offload_tests] $*" | tee -a "$OUT/summary.txt"; }
+T0=$SECONDS
+RC=0
+
+{
+    nvidia-smi || true
+    nvcc --version || true
+    cmake --version | head -1 || true
+    grep PRETTY_NAME /etc/os-release || true
+    ulimit -l
+} > "$OUT/env.txt" 2>&1
+say "GPU: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo none)"
+say "locked-memory limit (ulimit -l): $(ulimit -l) (page-locking the experts needs it large or unlimited)"
+
+# --- carried Debian packages (pcre2, zstd, utf8proc -dev headers may be missing there) -------------------
+if compgen -G "$DEB_DIR/*.deb" > /dev/null; then
+    ROOT=/tmp/prescope-debroot
+    mkdir -p "$ROOT"
+    for f in "$DEB_DIR"/*.deb; do dpkg-deb -x "$f" "$ROOT"; done
+    LIBDIR=$ROOT/usr/lib/x86_64-linux-gnu
+    find "$ROOT" -name '*.pc' -exec sed -i "s|^prefix=/usr\$|prefix=$ROOT/usr|" {} +
+    for l in "$LIBDIR"/*.so; do  # a -dev symlink whose runtime package was not carried: use the machine's
+        [ -L "$l" ] && [ ! -e "$l" ] || continue
+        soname=$(basename "$(readlink "$l")" | sed -E 's/^(lib[^.]+\.so\.[0-9]+).*/\1/')
+        sys=$(ls /usr/lib/x86_64-linux-gnu/"$soname"* 2> /dev/null | head -1)
+        [ -n "$sys" ] && ln -sf "$sys" "$l"
+    done
+    export PKG_CONFIG_PATH=$LIBDIR/pkgconfig:$ROOT/usr/share/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}
+    export CMAKE_PREFIX_PATH=$ROOT/usr${CMAKE_PREFIX_PATH:+:$CMAKE_PREFIX_PATH}
+    export CPATH=$ROOT/usr/include${CPATH:+:$CPATH}
+    export LIBRARY_PATH=$LIBDIR${LIBRARY_PATH:+:$LIBRARY_PATH}
+    export LD_LIBRARY_PATH=$LIBDIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    say "unpacked $(ls "$DEB_DIR"/*.deb | wc -l) carried packages into $ROOT"
+fi
+missing=()
+for m in libpcre2-8:libpcre2-dev libzstd:libzstd-dev libutf8proc:libutf8proc-dev; do
+    pkg-config --exists "${m%%:*}" 2> /dev/null || missing+=("${m##*:}")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+    say "missing: ${missing[*]} (CMake will stop at pkg_check_modules)."
+    say "  fix: here, mkdir -p .carry/debs && cd .carry/debs && apt-get download ${missing[*]}"
+    say "  (plus libpcre2-posix3 for libpcre2-dev), carry .carry, run again"
+fi
+
+# --- build -----------------------------------------------------------------------------------------
+if ! timeout 240 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DPRESCOPE_CUDA=ON \
+        -DPRESCOPE_CUDA_ARCHS=90 > "$OUT/configure.log" 2>&1; then
+    say "FAIL configure (configure.log):"
+    grep -E -A3 "CMake Error|No package|Could NOT find" "$OUT/configure.log" | head -20 | tee -a "$OUT/summary.txt"
+    exit 1
+fi
+if ! timeout 600 ninja -C "$BUILD" -j"$JOBS" test-gpu prescope-cli > "$OUT/build.log" 2>&1; then
+    say "FAIL build (build.log):"
+    grep -E "error|FAILED" "$OUT/build.log" | head -20 | tee -a "$OUT/summary.txt"
+    exit 1
+fi
+say "built test-gpu and prescope ($((SECONDS - T0)) s)"
+BIN=$BUILD/bin
+
+# --- GPU tests -------------------------------------------------------------------------------------
+timeout 400 "$BIN/test-gpu" --gtest_output=xml:"$OUT/test-gpu.xml" > "$OUT/test-gpu.log" 2>&1
+rc=$?
+say "test-gpu: exit $rc, $(grep -E '^\[  PASSED  \]|^\[  FAILED  \]|^\[  SKIPPED \]' "$OUT/test-gpu.log" | head -3 | tr '\n' ' ') ($((SECONDS - T0)) s)"
+grep -E '^\[  FAILED  \]' "$OUT/test-gpu.log" | head -20 | tee -a "$OUT/summary.txt"
+if [ $rc -eq 77 ]; then
+    say "test-gpu skipped: $(head -1 "$OUT/test-gpu.log")"
+    RC=1
+elif [ $rc -ne 0 ]; then
+    RC=1
+    # Again with a sync after every launch, so an asynchronous fault names the kernel that caused it.
+    PRESCOPE_SYNC_DEBUG=1 timeout 300 "$BIN/test-gpu" --gtest_filter="$(grep -E '^\[  FAILED  \] [A-Za-z]' \
+        "$OUT/test-gpu.log" | awk '{print $4}' | sort -u | paste -sd: -)" > "$OUT/test-gpu-syncdebug.log" 2>&1
+    say "re-run of the failures with PRESCOPE_SYNC_DEBUG=1: exit $? (test-gpu-syncdebug.log)"
+fi
+
+# --- end-to-end: the same greedy prompt on the CPU and on the GPU -----------------------------------
+MODEL=$(ls models/demo/*.gguf 2> /dev/null | head -1)
+[ -n "$MODEL" ] || MODEL=tests/data/models/qwen3moe/tiny-q8_0.gguf
+PROMPT="The history of the printing press begins"
+gen() {  # name, extra flags...
+    local name=$1
+    shift
+    timeout 120 "$BIN/prescope" generate -m "$MODEL" -p "$PROMPT" -n 64 --temp 0 -v "$@" \
+        > "$OUT/generate-$name.txt" 2> "$OUT/generate-$name.log"
+    local r=$?
+    say "generate $name: exit $r; $(grep -E '^stats:' "$OUT/generate-$name.log" | cut -c1-150)"
+    grep -E '^hit rate|^PCIe' "$OUT/generate-$name.log" | sed 's/^/    /' | tee -a "$OUT/summary.txt"
+    [ $r -eq 0 ] || { RC=1; tail -3 "$OUT/generate-$name.log" | tee -a "$OUT/summary.txt"; }
+}
+gen cpu
+gen gpu-all --gpu-expert-budget 1GiB --predictor fate --prefetch-window 2
+# A budget of a few slots per layer: demand loads, prefetches and evictions every step.
+# The smallest budget the cache accepts is in its error message ("... (N bytes)"); take 1.5 times that.
+MIN=$("$BIN/prescope" generate -m "$MODEL" -p x -n 1 --gpu-expert-budget 1B 2>&1 | grep -oE '\(([0-9]+) bytes\)' |
+    grep -oE '[0-9]+' | head -1)
+SMALL=$(( ${MIN:-16777216} * 3 / 2 ))B
+say "minimum expert budget of $MODEL: ${MIN:-?} bytes; small budget $SMALL"
+gen gpu-small --gpu-expert-budget "$SMALL" --predictor fate --prefetch-window 2
+gen gpu-small-cpu --gpu-expert-budget "$SMALL" --cpu-threshold 2 --predictor frequency
+gen gpu-zero --gpu-expert-budget 0
+for v in gpu-all gpu-small gpu-small-cpu gpu-zero; do
+    if cmp -s "$OUT/generate-cpu.txt" "$OUT/generate-$v.txt"; then
+        say "text $v = cpu: identical"
+    else
+        say "text $v = cpu: DIFFERENT (diff generate-cpu.txt generate-$v.txt)"
+        RC=1
+    fi
+done
+TRACE=$(ls traces/demo-test.pstrace 2> /dev/null | head -1)
+if [ -n "$TRACE" ] && [[ $MODEL == models/demo/* ]]; then
+    gen gpu-replay --gpu-expert-budget "$SMALL" --routing-trace "$TRACE" --predictor oracle --prefetch-window 2
+    grep -E '^routing' "$OUT/generate-gpu-replay.log" | head -2 | sed 's/^/    /' | tee -a "$OUT/summary.txt"
+fi
+timeout 120 "$BIN/prescope" bench -m "$MODEL" -p 128 -n 64 -r 2 -o json --gpu-expert-budget "$SMALL" \
+    > "$OUT/bench-small.jsonl" 2> "$OUT/bench-small.log"
+say "bench (budget $SMALL): exit $?; $(python3 -c "
+import json,sys
+for l in open('$OUT/bench-small.jsonl'):
+    j=json.loads(l); print(f\"{j['test']} {j['avg_ts']:.1f} tok/s hit {j.get('hit_rate',0):.3f} pcie {j.get('pcie_gb_s',0):.1f} GB/s\", end='; ')
+" 2> /dev/null)"
+
+# --- optional: a real shape -------------------------------------------------------------------------
+if [ $BIG -eq 1 ]; then
+    BIGM=/tmp/prescope-q30b-8l-q8_0.gguf
+    [ -f "$BIGM" ] || timeout 300 python3 tools/py/make_bench_model.py --out "$BIGM" --layers 8 > "$OUT/big-model.log" 2>&1
+    for b in 1GiB 4GiB; do
+        timeout 200 "$BIN/prescope" bench -m "$BIGM" -p 512 -n 64 -r 2 -o json --gpu-expert-budget $b \
+            --predictor fate > "$OUT/bench-big-$b.jsonl" 2> "$OUT/bench-big-$b.log"
+        say "bench 8-layer Qwen3-30B shape, budget $b: exit $?; $(python3 -c "
+import json
+for l in open('$OUT/bench-big-$b.jsonl'):
+    j=json.loads(l); print(f\"{j['test']} {j['avg_ts']:.1f} tok/s hit {j.get('hit_rate',0):.3f} pcie {j.get('pcie_gb_s',0):.1f} GB/s {j.get('pcie_bytes_per_token',0)/2**20:.1f} MiB/tok\", end='; ')
+" 2> /dev/null)"
+    done
+fi
+say "done in $((SECONDS - T0)) s, exit $RC"
+exit $RC
