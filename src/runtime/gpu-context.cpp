@@ -16,6 +16,7 @@
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
+#include <nvtx3/nvToolsExt.h>
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
@@ -31,6 +32,14 @@ constexpr int64_t kLogitRows = 32;  // rows of the output head per pass (all_log
 
 size_t align_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
 size_t a256(size_t n) { return align_up(n, 256); }
+
+/// An NVTX range for nsys timelines (docs/style R15); costs a few ns without a profiler attached.
+struct NvtxRange {
+    explicit NvtxRange(const char *name) { nvtxRangePushA(name); }
+    ~NvtxRange() { nvtxRangePop(); }
+    NvtxRange(const NvtxRange &) = delete;
+    NvtxRange &operator=(const NvtxRange &) = delete;
+};
 
 /// Hands out 256-byte aligned pieces of one allocation: a sizing pass with base == nullptr, then the same
 /// calls again with the real base.
@@ -402,6 +411,7 @@ void GpuContext::forward_batch(const int32_t *tokens, int64_t n, bool all_logits
 }
 
 void GpuContext::attention_block(int64_t il, int64_t n) {
+    const NvtxRange range("attention");
     const HParams &hp = model_.hp();
     const DevLayer &l = layers_[size_t(il)];
     const int64_t n_q = hp.n_head * hp.head_dim, n_kv = hp.n_head_kv * hp.head_dim;
@@ -442,16 +452,19 @@ void GpuContext::moe_block(int64_t il, int64_t n) {
     const RoutingBlock b = routing_block(n);
     auto *h = reinterpret_cast<float *>(routing_dev_ + b.h);
 
-    cuda::rms_norm(x_, l.ffn_norm, n, hp.n_embd, hp.rms_eps, h, stream());
-    matmul(l.gate_inp, h, n, router_logits_);
-    cuda::router_topk(router_logits_, n, hp.n_expert, k, hp.norm_topk_prob, nullptr,
-                      reinterpret_cast<int32_t *>(routing_dev_ + b.ids),
-                      reinterpret_cast<float *>(routing_dev_ + b.weights), stream());
-    if (hp.shared_expert) matmul(l.gate_inp_shexp, h, n, reinterpret_cast<float *>(routing_dev_ + b.shared_gate));
-    // The one device-to-host copy and the one wait of the layer: routing, router input, shared gate.
-    backend_->copy_d2h_async(routing_host_, routing_dev_, b.bytes, compute_);
-    backend_->event_record(routing_ready_, compute_);
-    backend_->event_synchronize(routing_ready_);
+    {
+        const NvtxRange range("router and routing copy");
+        cuda::rms_norm(x_, l.ffn_norm, n, hp.n_embd, hp.rms_eps, h, stream());
+        matmul(l.gate_inp, h, n, router_logits_);
+        cuda::router_topk(router_logits_, n, hp.n_expert, k, hp.norm_topk_prob, nullptr,
+                          reinterpret_cast<int32_t *>(routing_dev_ + b.ids),
+                          reinterpret_cast<float *>(routing_dev_ + b.weights), stream());
+        if (hp.shared_expert) matmul(l.gate_inp_shexp, h, n, reinterpret_cast<float *>(routing_dev_ + b.shared_gate));
+        // The one device-to-host copy and the one wait of the layer: routing, router input, shared gate.
+        backend_->copy_d2h_async(routing_host_, routing_dev_, b.bytes, compute_);
+        backend_->event_record(routing_ready_, compute_);
+        backend_->event_synchronize(routing_ready_);
+    }
 
     routing_.n_tok = n;
     routing_.k = k;
@@ -468,11 +481,13 @@ void GpuContext::moe_block(int64_t il, int64_t n) {
                                                   size_t(n))
                          : std::span<const float>();
     cur_h_dev_ = h;
+    const NvtxRange range("moe: decide, copies, GPU experts, prefetch, CPU experts, combine");
     moe_->run_layer(int32_t(il), h_host, routing_, shared_gate);
     cuda::add(x_, tmp_, x_, n * hp.n_embd, stream());
 }
 
 void GpuContext::output_head(int64_t first, int64_t rows, float *logits_out) {
+    const NvtxRange range("output head");
     const HParams &hp = model_.hp();
     for (int64_t r0 = first; r0 < first + rows; r0 += kLogitRows) {
         const int64_t m = std::min(kLogitRows, first + rows - r0);
