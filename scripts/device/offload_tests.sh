@@ -19,6 +19,7 @@ BUILD=${PRESCOPE_GPU_BUILD:-build-gpu}
 DEB_DIR=${PRESCOPE_DEB_DIR:-.carry/debs}
 JOBS=$(nproc)
 BIG=0
+RUN_LIBS=""
 for a in "$@"; do
     case $a in
     --big) BIG=1 ;;
@@ -58,7 +59,7 @@ if compgen -G "$DEB_DIR/*.deb" > /dev/null; then
     export CMAKE_PREFIX_PATH=$ROOT/usr${CMAKE_PREFIX_PATH:+:$CMAKE_PREFIX_PATH}
     export CPATH=$ROOT/usr/include${CPATH:+:$CPATH}
     export LIBRARY_PATH=$LIBDIR${LIBRARY_PATH:+:$LIBRARY_PATH}
-    export LD_LIBRARY_PATH=$LIBDIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    RUN_LIBS=$LIBDIR  # only our binaries load the carried runtime libraries; the machine's tools keep theirs
     say "unpacked $(ls "$DEB_DIR"/*.deb | wc -l) carried packages into $ROOT"
 fi
 missing=()
@@ -85,9 +86,12 @@ if ! timeout 600 ninja -C "$BUILD" -j"$JOBS" test-gpu prescope-cli > "$OUT/build
 fi
 say "built test-gpu and prescope ($((SECONDS - T0)) s)"
 BIN=$BUILD/bin
+run_bin() {
+    if [ -n "$RUN_LIBS" ]; then LD_LIBRARY_PATH=$RUN_LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} "$@"; else "$@"; fi
+}
 
 # --- GPU tests -------------------------------------------------------------------------------------
-timeout 400 "$BIN/test-gpu" --gtest_output=xml:"$OUT/test-gpu.xml" > "$OUT/test-gpu.log" 2>&1
+run_bin timeout 400 "$BIN/test-gpu" --gtest_output=xml:"$OUT/test-gpu.xml" > "$OUT/test-gpu.log" 2>&1
 rc=$?
 say "test-gpu: exit $rc, $(grep -E '^\[  PASSED  \]|^\[  FAILED  \]|^\[  SKIPPED \]' "$OUT/test-gpu.log" | head -3 | tr '\n' ' ') ($((SECONDS - T0)) s)"
 grep -E '^\[  FAILED  \]' "$OUT/test-gpu.log" | head -20 | tee -a "$OUT/summary.txt"
@@ -97,7 +101,7 @@ if [ $rc -eq 77 ]; then
 elif [ $rc -ne 0 ]; then
     RC=1
     # Again with a sync after every launch, so an asynchronous fault names the kernel that caused it.
-    PRESCOPE_SYNC_DEBUG=1 timeout 300 "$BIN/test-gpu" --gtest_filter="$(grep -E '^\[  FAILED  \] [A-Za-z]' \
+    run_bin env PRESCOPE_SYNC_DEBUG=1 timeout 300 "$BIN/test-gpu" --gtest_filter="$(grep -E '^\[  FAILED  \] [A-Za-z]' \
         "$OUT/test-gpu.log" | awk '{print $4}' | sort -u | paste -sd: -)" > "$OUT/test-gpu-syncdebug.log" 2>&1
     say "re-run of the failures with PRESCOPE_SYNC_DEBUG=1: exit $? (test-gpu-syncdebug.log)"
 fi
@@ -109,7 +113,7 @@ PROMPT="The history of the printing press begins"
 gen() {  # name, extra flags...
     local name=$1
     shift
-    timeout 120 "$BIN/prescope" generate -m "$MODEL" -p "$PROMPT" -n 64 --temp 0 -v "$@" \
+    run_bin timeout 120 "$BIN/prescope" generate -m "$MODEL" -p "$PROMPT" -n 64 --temp 0 -v "$@" \
         > "$OUT/generate-$name.txt" 2> "$OUT/generate-$name.log"
     local r=$?
     say "generate $name: exit $r; $(grep -E '^stats:' "$OUT/generate-$name.log" | cut -c1-150)"
@@ -120,7 +124,7 @@ gen cpu
 gen gpu-all --gpu-expert-budget 1GiB --predictor fate --prefetch-window 2
 # A budget of a few slots per layer: demand loads, prefetches and evictions every step.
 # The smallest budget the cache accepts is in its error message ("... (N bytes)"); take 1.5 times that.
-MIN=$("$BIN/prescope" generate -m "$MODEL" -p x -n 1 --gpu-expert-budget 1B 2>&1 | grep -oE '\(([0-9]+) bytes\)' |
+MIN=$(run_bin "$BIN/prescope" generate -m "$MODEL" -p x -n 1 --gpu-expert-budget 1B 2>&1 | grep -oE '\(([0-9]+) bytes\)' |
     grep -oE '[0-9]+' | head -1)
 SMALL=$(( ${MIN:-16777216} * 3 / 2 ))B
 say "minimum expert budget of $MODEL: ${MIN:-?} bytes; small budget $SMALL"
@@ -140,7 +144,7 @@ if [ -n "$TRACE" ] && [[ $MODEL == models/demo/* ]]; then
     gen gpu-replay --gpu-expert-budget "$SMALL" --routing-trace "$TRACE" --predictor oracle --prefetch-window 2
     grep -E '^routing' "$OUT/generate-gpu-replay.log" | head -2 | sed 's/^/    /' | tee -a "$OUT/summary.txt"
 fi
-timeout 120 "$BIN/prescope" bench -m "$MODEL" -p 128 -n 64 -r 2 -o json --gpu-expert-budget "$SMALL" \
+run_bin timeout 120 "$BIN/prescope" bench -m "$MODEL" -p 128 -n 64 -r 2 -o json --gpu-expert-budget "$SMALL" \
     > "$OUT/bench-small.jsonl" 2> "$OUT/bench-small.log"
 say "bench (budget $SMALL): exit $?; $(python3 -c "
 import json,sys
@@ -153,7 +157,7 @@ if [ $BIG -eq 1 ]; then
     BIGM=/tmp/prescope-q30b-8l-q8_0.gguf
     [ -f "$BIGM" ] || timeout 300 python3 tools/py/make_bench_model.py --out "$BIGM" --layers 8 > "$OUT/big-model.log" 2>&1
     for b in 1GiB 4GiB; do
-        timeout 200 "$BIN/prescope" bench -m "$BIGM" -p 512 -n 64 -r 2 -o json --gpu-expert-budget $b \
+        run_bin timeout 200 "$BIN/prescope" bench -m "$BIGM" -p 512 -n 64 -r 2 -o json --gpu-expert-budget $b \
             --predictor fate > "$OUT/bench-big-$b.jsonl" 2> "$OUT/bench-big-$b.log"
         say "bench 8-layer Qwen3-30B shape, budget $b: exit $?; $(python3 -c "
 import json
