@@ -1,0 +1,137 @@
+# Turns the output folder of scripts/device/bench_offload.sh into the issue 4 result rows (JSON) and a table.
+"""Offloading benchmark report.
+
+    python3 bench/offload/report.py OUT_DIR [--json-out bench/results/offload-q30b.json] [--command "..."]
+    python3 bench/offload/report.py --brief prescope-12.jsonl      # one line, used by the device script
+    python3 bench/offload/report.py --match-ncmoe PEAK_MIB         # llama.cpp --n-cpu-moe for that GPU memory
+
+Row fields (issue 4): model, budget_gib, gpu_mem_gib, decode_tok_s, prefill_tok_s, peer, peer_args,
+peer_decode_tok_s, peer_prefill_tok_s, decode_ratio, prefill_ratio, hit_rate, pcie_gb_s, pcie_bytes_per_token,
+routing; plus peer_gpu_mem_gib, predictor, and decode_pcie_bound_tok_s / decode_share_of_pcie_bound: the decode
+rate the bytes moved over PCIe per token allow at the link's measured pinned peak (55.5 GB/s,
+docs reference-numbers), and the share of it reached. GPU memory is the peak of nvidia-smi's memory.used during
+the run (device-wide, so both tools are measured alike).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+PCIE_PEAK_B_S = 55.5e9
+# llama.cpp on this model (reference-numbers.md): 2.4 GiB with every expert on the CPU, plus one layer's
+# 128 Q8_0 experts (128 x 3 x 768 x 2048 x 34/32 bytes = 612 MiB) per layer kept on the GPU.
+LLAMA_BASE_MIB, LLAMA_LAYER_MIB, N_LAYER = 2458.0, 612.0, 48
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip().startswith("{")]
+
+
+def by_test(rows: list[dict]) -> dict[str, dict]:
+    out = {}
+    for r in rows:
+        test = r.get("test") or (f"pp{r['n_prompt']}" if r.get("n_prompt") else f"tg{r.get('n_gen')}")
+        out[test[:2]] = r
+    return out
+
+
+def brief(path: Path) -> str:
+    parts = []
+    for r in read_jsonl(path):
+        parts.append(f"{r['test']} {r['avg_ts']:.1f} tok/s hit {r.get('hit_rate', 0):.3f} "
+                     f"pcie {r.get('pcie_gb_s', 0):.1f} GB/s {r.get('pcie_bytes_per_token', 0) / 2**20:.1f} MiB/tok")
+    return "; ".join(parts) or "no rows"
+
+
+def match_ncmoe(peak_mib: float) -> int:
+    layers_on_gpu = round((peak_mib - LLAMA_BASE_MIB) / LLAMA_LAYER_MIB)
+    return max(0, min(N_LAYER, N_LAYER - layers_on_gpu))
+
+
+def report(out_dir: Path, command: str) -> list[dict]:
+    pairs = {}
+    if (out_dir / "pairs.txt").exists():
+        for line in (out_dir / "pairs.txt").read_text().split("\n"):
+            if line.strip():
+                b, n = line.split()
+                pairs[b] = n
+    rows = []
+    for f in sorted(out_dir.glob("prescope-*.jsonl"), key=lambda p: float(p.stem.split("-")[1])):
+        b = f.stem.split("-")[1]
+        ours = by_test(read_jsonl(f))
+        if "tg" not in ours or "pp" not in ours:
+            continue
+        tg, pp = ours["tg"], ours["pp"]
+        mem = out_dir / f"gpu-mem-prescope-{b}.txt"
+        row = {"model": "qwen3moe Qwen3-30B-A3B shape, random weights, Q8_0 (tools/py/make_bench_model.py)",
+               "budget_gib": float(b),
+               "gpu_mem_gib": float(mem.read_text()) / 1024 if mem.exists() else None,
+               "decode_tok_s": tg["avg_ts"], "prefill_tok_s": pp["avg_ts"],
+               "hit_rate": tg.get("hit_rate"), "prefill_hit_rate": pp.get("hit_rate"),
+               "pcie_gb_s": tg.get("pcie_gb_s"), "pcie_bytes_per_token": tg.get("pcie_bytes_per_token"),
+               "prefill_pcie_bytes_per_token": pp.get("pcie_bytes_per_token"),
+               "routing": f"replayed:{tg['offload']['routing_trace']}" if tg.get("offload", {}).get("routing_trace")
+               else tg.get("routing", "router"),
+               "predictor": tg.get("predictor"), "threads": tg.get("threads"),
+               "peer": None, "peer_args": None, "peer_gpu_mem_gib": None,
+               "peer_decode_tok_s": None, "peer_prefill_tok_s": None, "decode_ratio": None, "prefill_ratio": None,
+               "command": command}
+        bpt = tg.get("pcie_bytes_per_token") or 0
+        row["decode_pcie_bound_tok_s"] = PCIE_PEAK_B_S / bpt if bpt else None
+        row["decode_share_of_pcie_bound"] = tg["avg_ts"] / row["decode_pcie_bound_tok_s"] if bpt else None
+        n = pairs.get(b)
+        if n is not None:
+            peer = by_test(read_jsonl(out_dir / f"llama-{n}.jsonl"))
+            pmem = out_dir / f"gpu-mem-llama-{n}.txt"
+            row.update(peer="llama.cpp d32676d77 (llama-bench, CUDA sm_90, FA kernels not built)",
+                       peer_args=f"-ngl 99 --n-cpu-moe {n} -t {tg.get('threads')} -p 512 -n 128 -r 1",
+                       peer_gpu_mem_gib=float(pmem.read_text()) / 1024 if pmem.exists() and pmem.read_text().strip() else None)
+            if "tg" in peer:
+                row["peer_decode_tok_s"] = peer["tg"]["avg_ts"]
+                row["decode_ratio"] = tg["avg_ts"] / peer["tg"]["avg_ts"]
+            if "pp" in peer:
+                row["peer_prefill_tok_s"] = peer["pp"]["avg_ts"]
+                row["prefill_ratio"] = pp["avg_ts"] / peer["pp"]["avg_ts"]
+        rows.append(row)
+    return rows
+
+
+def fmt(x, spec: str) -> str:
+    return "–" if x is None else format(x, spec)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out_dir", nargs="?", type=Path)
+    ap.add_argument("--brief", type=Path)
+    ap.add_argument("--match-ncmoe", type=float)
+    ap.add_argument("--json-out", type=Path)
+    ap.add_argument("--command", default="scripts/device/bench_offload.sh (see bench/offload/README.md)")
+    a = ap.parse_args(argv)
+    if a.brief:
+        print(brief(a.brief))
+        return 0
+    if a.match_ncmoe is not None:
+        print(match_ncmoe(a.match_ncmoe))
+        return 0
+    rows = report(a.out_dir, a.command)
+    print("| budget | GPU mem ours / peer | decode tok/s ours / llama.cpp | ratio | prefill tok/s ours / llama.cpp | ratio "
+          "| hit rate | PCIe GB/s | PCIe MiB/token | share of PCIe bound |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        print(f"| {r['budget_gib']:g} GiB | {fmt(r['gpu_mem_gib'], '.1f')} / {fmt(r['peer_gpu_mem_gib'], '.1f')} GiB "
+              f"| {r['decode_tok_s']:.1f} / {fmt(r['peer_decode_tok_s'], '.1f')} | {fmt(r['decode_ratio'], '.2f')}x "
+              f"| {r['prefill_tok_s']:.1f} / {fmt(r['peer_prefill_tok_s'], '.1f')} | {fmt(r['prefill_ratio'], '.2f')}x "
+              f"| {fmt(r['hit_rate'], '.3f')} | {fmt(r['pcie_gb_s'], '.1f')} "
+              f"| {fmt((r['pcie_bytes_per_token'] or 0) / 2**20, '.1f')} | {fmt(r['decode_share_of_pcie_bound'], '.2f')} |")
+    if a.json_out:
+        a.json_out.write_text(json.dumps(rows, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+# Shared by the device scripts (sourced): carried Debian packages and the CUDA build. Expects say() and OUT.
+
+RUN_LIBS=""
+
+# Unpacks carried .deb files (e.g. libpcre2-dev, libzstd-dev, libutf8proc-dev, which the GPU machine may lack)
+# into /tmp/prescope-debroot and points the compiler, pkg-config and CMake at them. Only our binaries load
+# the carried runtime libraries (run_bin); the machine's own tools keep theirs.
+setup_carried_debs() {
+    local dir=$1
+    compgen -G "$dir/*.deb" > /dev/null || return 0
+    local root=/tmp/prescope-debroot
+    mkdir -p "$root"
+    for f in "$dir"/*.deb; do dpkg-deb -x "$f" "$root"; done
+    local libdir=$root/usr/lib/x86_64-linux-gnu
+    find "$root" -name '*.pc' -exec sed -i "s|^prefix=/usr\$|prefix=$root/usr|" {} +
+    for l in "$libdir"/*.so; do  # a -dev symlink whose runtime package was not carried: use the machine's
+        [ -L "$l" ] && [ ! -e "$l" ] || continue
+        local soname sys
+        soname=$(basename "$(readlink "$l")" | sed -E 's/^(lib[^.]+\.so\.[0-9]+).*/\1/')
+        sys=$(ls /usr/lib/x86_64-linux-gnu/"$soname"* 2> /dev/null | head -1)
+        [ -n "$sys" ] && ln -sf "$sys" "$l"
+    done
+    export PKG_CONFIG_PATH=$libdir/pkgconfig:$root/usr/share/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}
+    export CMAKE_PREFIX_PATH=$root/usr${CMAKE_PREFIX_PATH:+:$CMAKE_PREFIX_PATH}
+    export CPATH=$root/usr/include${CPATH:+:$CPATH}
+    export LIBRARY_PATH=$libdir${LIBRARY_PATH:+:$LIBRARY_PATH}
+    RUN_LIBS=$libdir
+    say "unpacked $(ls "$dir"/*.deb | wc -l) carried packages into $root"
+}
+
+run_bin() {
+    if [ -n "$RUN_LIBS" ]; then LD_LIBRARY_PATH=$RUN_LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} "$@"; else "$@"; fi
+}
+
+# Configures (CUDA on, sm_90) and builds the given targets in build dir $1; logs in $OUT.
+build_prescope() {
+    local build=$1
+    shift
+    if ! timeout 240 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DPRESCOPE_CUDA=ON \
+            -DPRESCOPE_CUDA_ARCHS=90 > "$OUT/configure.log" 2>&1; then
+        say "FAIL configure (configure.log):"
+        grep -E -A3 "CMake Error|No package|Could NOT find|Could not find" "$OUT/configure.log" | head -20 |
+            tee -a "$OUT/summary.txt"
+        return 1
+    fi
+    if ! timeout 600 ninja -C "$build" -j"$(nproc)" "$@" > "$OUT/build.log" 2>&1; then
+        say "FAIL build (build.log):"
+        grep -E "error|FAILED" "$OUT/build.log" | head -20 | tee -a "$OUT/summary.txt"
+        return 1
+    fi
+}
