@@ -599,7 +599,8 @@ std::string GpuContext::startup_text() const {
                        pinned_ ? "pinned " + format_byte_size(pinned_bytes_) : std::string("pageable (pinning refused)"));
     out += store_->describe() + "\n";
     out += cache_->describe() + "\n";
-    out += "placement: " + plan_.summary() + "\n";
+    out += plan_.summary();
+    if (!out.ends_with('\n')) out += '\n';
     out += fmt::format("predictor: {} (window {}) | cpu_threshold {} | copy engine: chunk {}, depth {}{}\n",
                        predictor_ ? predictor_->name() : "none", predictor_ ? config_.prefetch_window : 0,
                        config_.cpu_threshold, format_byte_size(config_.copy.chunk_bytes), config_.copy.queue_depth,

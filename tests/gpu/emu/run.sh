@@ -5,6 +5,7 @@
 # stays the real test. Slow (emulated kernels): pick tests with a gtest filter.
 #   tests/gpu/emu/run.sh [gtest arguments]    e.g. tests/gpu/emu/run.sh --gtest_filter='GpuOffload.*'
 # Needs libprescope.a of a CPU build of this tree ($PRESCOPE_BUILD, default build/); writes build-gpu-emu/.
+# spdlog and fmt are used as the library build uses them (compiled spdlog, external fmt), one logger for all.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 SRC=$PWD
@@ -20,7 +21,7 @@ fi
 mkdir -p "$OUT/gen"
 CXX=(g++ -std=c++20 -O1 -g -fopenmp -Wall -Wno-unknown-pragmas -Wno-unused-parameter -I"$EMU/include" -I"$SRC/src"
      -isystem "$CUDA_INC" -include "$EMU/cuda-emu.h" -include "$HERE/cuda-emu-runtime.h" -DPRESCOPE_USE_CUDA
-     -DPRESCOPE_SOURCE_DIR="\"$SRC\"")
+     -DPRESCOPE_SOURCE_DIR="\"$SRC\"" -DSPDLOG_COMPILED_LIB -DSPDLOG_FMT_EXTERNAL -DSPDLOG_SHARED_LIB -DFMT_SHARED)
 objs=()
 compile() {
     local obj
