@@ -10,7 +10,8 @@
 # Missing -dev packages on that machine (no network there): download them here with
 #   mkdir -p .carry/debs && (cd .carry/debs && apt-get download <packages>)
 # and name .carry in the run's carry list; they are unpacked into /tmp/prescope-debroot.
-# Read first: $OUT/summary.txt; then test-gpu.log (gtest output), generate-*.log (start-up facts, counters).
+# Read first: $OUT/summary.txt; then, in $OUT/offload-logs.tar.gz, test-gpu.log (gtest output) and
+# generate-*.log (start-up facts, counters), bench-*.jsonl.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -26,8 +27,10 @@ for a in "$@"; do
     *) echo "usage: $0 [--big]" >&2; exit 2 ;;
     esac
 done
-mkdir -p "$OUT"
+LOG=$OUT/logs  # packed into $OUT/offload-logs.tar.gz at exit: few files come back from the device
+mkdir -p "$LOG"
 : > "$OUT/summary.txt"
+trap 'tar czf "$OUT/offload-logs.tar.gz" -C "$OUT" logs && rm -rf "$LOG"' EXIT
 say() { echo "[offload_tests] $*" | tee -a "$OUT/summary.txt"; }
 T0=$SECONDS
 RC=0
@@ -38,7 +41,7 @@ RC=0
     cmake --version | head -1 || true
     grep PRETTY_NAME /etc/os-release || true
     ulimit -l
-} > "$OUT/env.txt" 2>&1
+} > "$LOG/env.txt" 2>&1
 say "GPU: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo none)"
 say "locked-memory limit (ulimit -l): $(ulimit -l) (page-locking the experts needs it large or unlimited)"
 
@@ -74,14 +77,14 @@ fi
 
 # --- build -----------------------------------------------------------------------------------------
 if ! timeout 240 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DPRESCOPE_CUDA=ON \
-        -DPRESCOPE_CUDA_ARCHS=90 > "$OUT/configure.log" 2>&1; then
+        -DPRESCOPE_CUDA_ARCHS=90 > "$LOG/configure.log" 2>&1; then
     say "FAIL configure (configure.log):"
-    grep -E -A3 "CMake Error|No package|Could NOT find" "$OUT/configure.log" | head -20 | tee -a "$OUT/summary.txt"
+    grep -E -A3 "CMake Error|No package|Could NOT find" "$LOG/configure.log" | head -20 | tee -a "$OUT/summary.txt"
     exit 1
 fi
-if ! timeout 600 ninja -C "$BUILD" -j"$JOBS" test-gpu prescope-cli > "$OUT/build.log" 2>&1; then
+if ! timeout 420 ninja -C "$BUILD" -j"$JOBS" test-gpu prescope-cli > "$LOG/build.log" 2>&1; then
     say "FAIL build (build.log):"
-    grep -E "error|FAILED" "$OUT/build.log" | head -20 | tee -a "$OUT/summary.txt"
+    grep -E "error|FAILED" "$LOG/build.log" | head -20 | tee -a "$OUT/summary.txt"
     exit 1
 fi
 say "built test-gpu and prescope ($((SECONDS - T0)) s)"
@@ -91,18 +94,18 @@ run_bin() {
 }
 
 # --- GPU tests -------------------------------------------------------------------------------------
-run_bin timeout 400 "$BIN/test-gpu" --gtest_output=xml:"$OUT/test-gpu.xml" > "$OUT/test-gpu.log" 2>&1
+run_bin timeout 240 "$BIN/test-gpu" --gtest_output=xml:"$LOG/test-gpu.xml" > "$LOG/test-gpu.log" 2>&1
 rc=$?
-say "test-gpu: exit $rc, $(grep -E '^\[  PASSED  \]|^\[  FAILED  \]|^\[  SKIPPED \]' "$OUT/test-gpu.log" | head -3 | tr '\n' ' ') ($((SECONDS - T0)) s)"
-grep -E '^\[  FAILED  \]' "$OUT/test-gpu.log" | head -20 | tee -a "$OUT/summary.txt"
+say "test-gpu: exit $rc, $(grep -E '^\[  PASSED  \]|^\[  FAILED  \]|^\[  SKIPPED \]' "$LOG/test-gpu.log" | head -3 | tr '\n' ' ') ($((SECONDS - T0)) s)"
+grep -E '^\[  FAILED  \]' "$LOG/test-gpu.log" | head -20 | tee -a "$OUT/summary.txt"
 if [ $rc -eq 77 ]; then
-    say "test-gpu skipped: $(head -1 "$OUT/test-gpu.log")"
+    say "test-gpu skipped: $(head -1 "$LOG/test-gpu.log")"
     RC=1
 elif [ $rc -ne 0 ]; then
     RC=1
     # Again with a sync after every launch, so an asynchronous fault names the kernel that caused it.
-    run_bin env PRESCOPE_SYNC_DEBUG=1 timeout 300 "$BIN/test-gpu" --gtest_filter="$(grep -E '^\[  FAILED  \] [A-Za-z]' \
-        "$OUT/test-gpu.log" | awk '{print $4}' | sort -u | paste -sd: -)" > "$OUT/test-gpu-syncdebug.log" 2>&1
+    run_bin env PRESCOPE_SYNC_DEBUG=1 timeout 180 "$BIN/test-gpu" --gtest_filter="$(grep -E '^\[  FAILED  \] [A-Za-z]' \
+        "$LOG/test-gpu.log" | awk '{print $4}' | sort -u | paste -sd: -)" > "$LOG/test-gpu-syncdebug.log" 2>&1
     say "re-run of the failures with PRESCOPE_SYNC_DEBUG=1: exit $? (test-gpu-syncdebug.log)"
 fi
 
@@ -114,11 +117,11 @@ gen() {  # name, extra flags...
     local name=$1
     shift
     run_bin timeout 120 "$BIN/prescope" generate -m "$MODEL" -p "$PROMPT" -n 64 --temp 0 -v "$@" \
-        > "$OUT/generate-$name.txt" 2> "$OUT/generate-$name.log"
+        > "$LOG/generate-$name.txt" 2> "$LOG/generate-$name.log"
     local r=$?
-    say "generate $name: exit $r; $(grep -E '^stats:' "$OUT/generate-$name.log" | cut -c1-150)"
-    grep -E '^hit rate|^PCIe' "$OUT/generate-$name.log" | sed 's/^/    /' | tee -a "$OUT/summary.txt"
-    [ $r -eq 0 ] || { RC=1; tail -3 "$OUT/generate-$name.log" | tee -a "$OUT/summary.txt"; }
+    say "generate $name: exit $r; $(grep -E '^stats:' "$LOG/generate-$name.log" | cut -c1-150)"
+    grep -E '^hit rate|^PCIe' "$LOG/generate-$name.log" | sed 's/^/    /' | tee -a "$OUT/summary.txt"
+    [ $r -eq 0 ] || { RC=1; tail -3 "$LOG/generate-$name.log" | tee -a "$OUT/summary.txt"; }
 }
 gen cpu
 gen gpu-all --gpu-expert-budget 1GiB --predictor fate --prefetch-window 2
@@ -132,7 +135,7 @@ gen gpu-small --gpu-expert-budget "$SMALL" --predictor fate --prefetch-window 2
 gen gpu-small-cpu --gpu-expert-budget "$SMALL" --cpu-threshold 2 --predictor frequency
 gen gpu-zero --gpu-expert-budget 0
 for v in gpu-all gpu-small gpu-small-cpu gpu-zero; do
-    if cmp -s "$OUT/generate-cpu.txt" "$OUT/generate-$v.txt"; then
+    if cmp -s "$LOG/generate-cpu.txt" "$LOG/generate-$v.txt"; then
         say "text $v = cpu: identical"
     else
         say "text $v = cpu: DIFFERENT (diff generate-cpu.txt generate-$v.txt)"
@@ -142,26 +145,26 @@ done
 TRACE=$(ls traces/demo-test.pstrace 2> /dev/null | head -1)
 if [ -n "$TRACE" ] && [[ $MODEL == models/demo/* ]]; then
     gen gpu-replay --gpu-expert-budget "$SMALL" --routing-trace "$TRACE" --predictor oracle --prefetch-window 2
-    grep -E '^routing' "$OUT/generate-gpu-replay.log" | head -2 | sed 's/^/    /' | tee -a "$OUT/summary.txt"
+    grep -E '^routing' "$LOG/generate-gpu-replay.log" | head -2 | sed 's/^/    /' | tee -a "$OUT/summary.txt"
 fi
 run_bin timeout 120 "$BIN/prescope" bench -m "$MODEL" -p 128 -n 64 -r 2 -o json --gpu-expert-budget "$SMALL" \
-    > "$OUT/bench-small.jsonl" 2> "$OUT/bench-small.log"
+    > "$LOG/bench-small.jsonl" 2> "$LOG/bench-small.log"
 say "bench (budget $SMALL): exit $?; $(python3 -c "
 import json,sys
-for l in open('$OUT/bench-small.jsonl'):
+for l in open('$LOG/bench-small.jsonl'):
     j=json.loads(l); print(f\"{j['test']} {j['avg_ts']:.1f} tok/s hit {j.get('hit_rate',0):.3f} pcie {j.get('pcie_gb_s',0):.1f} GB/s\", end='; ')
 " 2> /dev/null)"
 
 # --- optional: a real shape -------------------------------------------------------------------------
 if [ $BIG -eq 1 ]; then
     BIGM=/tmp/prescope-q30b-8l-q8_0.gguf
-    [ -f "$BIGM" ] || timeout 300 python3 tools/py/make_bench_model.py --out "$BIGM" --layers 8 > "$OUT/big-model.log" 2>&1
+    [ -f "$BIGM" ] || timeout 300 python3 tools/py/make_bench_model.py --out "$BIGM" --layers 8 > "$LOG/big-model.log" 2>&1
     for b in 1GiB 4GiB; do
         run_bin timeout 200 "$BIN/prescope" bench -m "$BIGM" -p 512 -n 64 -r 2 -o json --gpu-expert-budget $b \
-            --predictor fate > "$OUT/bench-big-$b.jsonl" 2> "$OUT/bench-big-$b.log"
+            --predictor fate > "$LOG/bench-big-$b.jsonl" 2> "$LOG/bench-big-$b.log"
         say "bench 8-layer Qwen3-30B shape, budget $b: exit $?; $(python3 -c "
 import json
-for l in open('$OUT/bench-big-$b.jsonl'):
+for l in open('$LOG/bench-big-$b.jsonl'):
     j=json.loads(l); print(f\"{j['test']} {j['avg_ts']:.1f} tok/s hit {j.get('hit_rate',0):.3f} pcie {j.get('pcie_gb_s',0):.1f} GB/s {j.get('pcie_bytes_per_token',0)/2**20:.1f} MiB/tok\", end='; ')
 " 2> /dev/null)"
     done
