@@ -80,14 +80,14 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"model": Path(a.model).name, "test": test, "threads": a.threads, "prescope_tok_s": o,
                      "llama_cpp_tok_s": t, "ratio": o / t if t else float("nan"),
                      "prescope_rounds": ours[test], "llama_cpp_rounds": theirs.get(test, []), "command": command})
+    if a.json_out:
+        a.json_out.write_text(json.dumps(rows, indent=1) + "\n")
     print(f"| model | test | threads | PreScope tok/s | llama.cpp tok/s | ratio |")
     print(f"| --- | --- | ---: | ---: | ---: | ---: |")
     for r in rows:
         print(f"| {r['model']} | {r['test']} | {r['threads']} | {r['prescope_tok_s']:.2f} | "
               f"{r['llama_cpp_tok_s']:.2f} | {r['ratio']:.2f}x |")
     print(json.dumps(rows))
-    if a.json_out:
-        a.json_out.write_text(json.dumps(rows, indent=1) + "\n")
     return 0
 
 
