@@ -1,4 +1,5 @@
-// LLaPor-LSTM and LLaPor-MLP: networks (forward and backward), their ScoringPredictor wrappers and file I/O.
+// LLaPor-LSTM, LLaPor-MLP and LLaPor-MLP-prior: networks (forward and backward), their ScoringPredictor wrappers
+// and file I/O.
 #include "offload/predictor-llapor.h"
 
 #include "core/error.h"
@@ -19,9 +20,11 @@ int32_t LlaporConfig::group_of(int32_t layer) const {
 }
 
 nlohmann::json LlaporConfig::to_json() const {
-    return {{"kind", kind}, {"n_layers", shape.n_layers}, {"n_experts", shape.n_experts}, {"top_k", shape.top_k},
-            {"window", window}, {"group_start", group_start}, {"hidden", hidden}, {"dim", dim},
-            {"pca_dim", pca_dim}, {"dropout", dropout}, {"notes", notes}};
+    nlohmann::json j = {{"kind", kind}, {"n_layers", shape.n_layers}, {"n_experts", shape.n_experts},
+                        {"top_k", shape.top_k}, {"window", window}, {"group_start", group_start}, {"hidden", hidden},
+                        {"dim", dim}, {"pca_dim", pca_dim}, {"dropout", dropout}, {"notes", notes}};
+    if (has_prior()) j["drift"] = drift, j["correction"] = correction;
+    return j;
 }
 
 LlaporConfig LlaporConfig::from_json(const nlohmann::json &j, const std::string &what) {
@@ -35,12 +38,13 @@ LlaporConfig LlaporConfig::from_json(const nlohmann::json &j, const std::string 
         c.dim = j.at("dim").get<int64_t>();
         c.pca_dim = j.at("pca_dim").get<int32_t>();
         c.dropout = j.at("dropout").get<float>();
+        if (c.has_prior()) c.drift = j.at("drift").get<std::string>(), c.correction = j.at("correction").get<bool>();
         c.notes = j.value("notes", nlohmann::json::object());
     } catch (const nlohmann::json::exception &e) {
         fail("{}: predictor config is malformed ({})", what, e.what());
     }
-    if (c.kind != "llapor-lstm" && c.kind != "llapor-mlp") {
-        fail("{}: predictor kind '{}', expected llapor-lstm or llapor-mlp", what, c.kind);
+    if (c.kind != "llapor-lstm" && c.kind != "llapor-mlp" && c.kind != "llapor-mlp-prior") {
+        fail("{}: predictor kind '{}', expected llapor-lstm, llapor-mlp or llapor-mlp-prior", what, c.kind);
     }
     const bool ok_shape = c.shape.n_layers >= 2 && c.shape.n_experts >= 1 && c.shape.n_experts <= 256 &&
                           c.shape.top_k >= 1 && c.shape.top_k <= c.shape.n_experts;
@@ -48,8 +52,9 @@ LlaporConfig LlaporConfig::from_json(const nlohmann::json &j, const std::string 
     for (size_t i = 1; i < c.group_start.size(); ++i) {
         ok_groups = ok_groups && c.group_start[i] > c.group_start[i - 1] && c.group_start[i] < c.shape.n_layers;
     }
-    if (!ok_shape || !ok_groups || c.window < 1 || c.hidden < 1 ||
-        (c.kind == "llapor-mlp" && (c.dim < 1 || c.pca_dim < 1 || c.pca_dim > c.dim))) {
+    const bool ok_drift = c.drift == "none" || c.drift == "current" || c.drift == "previous";
+    if (!ok_shape || !ok_groups || !ok_drift || c.window < 1 || c.hidden < 1 ||
+        (c.kind != "llapor-lstm" && (c.dim < 1 || c.pca_dim < 1 || c.pca_dim > c.dim))) {
         fail("{}: predictor config is inconsistent ({})", what, c.to_json().dump());
     }
     return c;
@@ -208,51 +213,73 @@ void LlaporLstmNet::backward_step(int32_t layer, int64_t n, const int32_t *idx, 
 // MLP
 
 LlaporMlpNet::LlaporMlpNet(LlaporConfig cfg, uint64_t seed) : cfg_(std::move(cfg)) {
-    const int64_t H = cfg_.hidden, P = cfg_.pca_dim, D = cfg_.dim, L = cfg_.shape.n_layers;
-    const int64_t WE = int64_t(cfg_.window) * cfg_.shape.n_experts;
-    ps_.add("pca.mean", {L, D}, 0.0f, 0);
-    const size_t proj = ps_.add("pca.proj", {L, P, D}, 0.0f, 0);
-    for (int64_t l = 0; l < L; ++l) {
-        for (int64_t i = 0; i < P; ++i) ps_[proj].value[size_t((l * P + i) * D + i)] = 1.0f;  // identity until fitted
+    const int64_t H = cfg_.hidden, P = cfg_.pca_dim, D = cfg_.dim, L = cfg_.shape.n_layers, W = cfg_.window;
+    const int64_t E = cfg_.shape.n_experts, WE = W * E;
+    if (cfg_.has_mlp()) {
+        ps_.add("pca.mean", {L, D}, 0.0f, 0);
+        const size_t proj = ps_.add("pca.proj", {L, P, D}, 0.0f, 0);
+        for (int64_t l = 0; l < L; ++l) {
+            // Identity until fitted.
+            for (int64_t i = 0; i < P; ++i) ps_[proj].value[size_t((l * P + i) * D + i)] = 1.0f;
+        }
     }
     for (int32_t g = 0; g < cfg_.n_groups(); ++g) {
         const std::string p = "g" + std::to_string(g) + ".";
         const uint64_t sd = seed + 16 * uint64_t(g);
-        ps_.add(p + "w1", {H, P}, 1.0f / std::sqrt(float(P)), sd + 1);
-        ps_.add(p + "b1", {H}, 0.0f, 0);
-        ps_.add(p + "wl", {L, H}, 0.0f, 0);
-        if (cfg_.deep(g)) {
-            ps_.add(p + "w2", {H, H}, 1.0f / std::sqrt(float(H)), sd + 2);
-            ps_.add(p + "b2", {H}, 0.0f, 0);
-            ps_.add(p + "w3", {H, H}, 1.0f / std::sqrt(float(H)), sd + 3);
-            ps_.add(p + "b3", {H}, 0.0f, 0);
-            ps_.add(p + "wg", {H, H}, 1.0f / std::sqrt(float(H)), sd + 4);
-            ps_.add(p + "bg", {H}, 0.0f, 0);
+        if (cfg_.has_mlp()) {
+            ps_.add(p + "w1", {H, P}, 1.0f / std::sqrt(float(P)), sd + 1);
+            ps_.add(p + "b1", {H}, 0.0f, 0);
+            ps_.add(p + "wl", {L, H}, 0.0f, 0);
+            if (cfg_.deep(g)) {
+                ps_.add(p + "w2", {H, H}, 1.0f / std::sqrt(float(H)), sd + 2);
+                ps_.add(p + "b2", {H}, 0.0f, 0);
+                ps_.add(p + "w3", {H, H}, 1.0f / std::sqrt(float(H)), sd + 3);
+                ps_.add(p + "b3", {H}, 0.0f, 0);
+                ps_.add(p + "wg", {H, H}, 1.0f / std::sqrt(float(H)), sd + 4);
+                ps_.add(p + "bg", {H}, 0.0f, 0);
+            }
+            // Per layer: like its routers. With a prior the correction starts at zero (training starts at the prior).
+            ps_.add(p + "wo", {L, WE, H}, cfg_.has_prior() ? 0.0f : 1.0f / std::sqrt(float(H)), sd + 5);
+            ps_.add(p + "bo", {WE}, 0.0f, 0);
+            ps_.add(p + "bl", {L, WE}, 0.0f, 0);
         }
-        ps_.add(p + "wo", {L, WE, H}, 1.0f / std::sqrt(float(H)), sd + 5);  // per layer: like its routers
-        ps_.add(p + "bo", {WE}, 0.0f, 0);
-        ps_.add(p + "bl", {L, WE}, 0.0f, 0);
+        if (cfg_.has_prior()) ps_.add(p + "ps", {L, W}, 0.0f, 0, 1.0f);
+    }
+    if (cfg_.has_prior()) {
+        ps_.add("prior.router", {L, E, D}, 0.0f, 0);
+        ps_.add("prior.drift0", {L, W, D, D + 1}, 0.0f, 0);
+        if (cfg_.drift == "previous") ps_.add("prior.drift", {L, W, D, cfg_.drift_prev_inputs()}, 0.0f, 0);
+        ps_.add("prior.calib", {L, W}, 0.0f, 0, 1.0f);
     }
     bind();
 }
 
 LlaporMlpNet::LlaporMlpNet(LlaporConfig cfg, nn::ParamSet params) : LlaporMlpNet(std::move(cfg), 1) {
-    check_shapes(ps_, params, "llapor-mlp");
+    check_shapes(ps_, params, cfg_.kind);
     ps_ = std::move(params);
     bind();
 }
 
 void LlaporMlpNet::bind() {
     g_.clear();
-    size_t i = 2;
+    size_t i = 0;
+    if (cfg_.has_mlp()) mean_ = i++, proj_ = i++;
     for (int32_t g = 0; g < cfg_.n_groups(); ++g) {
         Group G{};
         G.first = i;
-        G.w1 = i++, G.b1 = i++, G.wl = i++;
-        if (cfg_.deep(g)) G.w2 = i++, G.b2 = i++, G.w3 = i++, G.b3 = i++, G.wg = i++, G.bg = i++;
-        G.wo = i++, G.bo = i++, G.bl = i++;
+        if (cfg_.has_mlp()) {
+            G.w1 = i++, G.b1 = i++, G.wl = i++;
+            if (cfg_.deep(g)) G.w2 = i++, G.b2 = i++, G.w3 = i++, G.b3 = i++, G.wg = i++, G.bg = i++;
+            G.wo = i++, G.bo = i++, G.bl = i++;
+        }
+        if (cfg_.has_prior()) G.ps = i++;
         G.last = i;
         g_.push_back(G);
+    }
+    if (cfg_.has_prior()) {
+        router_ = i++, drift0_ = i++;
+        if (cfg_.drift == "previous") drift_ = i++;
+        calib_ = i++;
     }
 }
 
@@ -260,8 +287,76 @@ std::pair<size_t, size_t> LlaporMlpNet::group_params(int32_t g) const {
     return {g_[size_t(g)].first, g_[size_t(g)].last};
 }
 
-void LlaporMlpNet::forward(int32_t layer, int64_t n, const float *x, float *logits, Tape &tp,
-                           uint64_t drop_seed) const {
+void LlaporMlpNet::calibrate(int32_t layer, int64_t n, float *logits) const {
+    if (!cfg_.has_prior()) return;
+    const int64_t E = cfg_.shape.n_experts, W = cfg_.window;
+    const float *c = ps_[calib_].value.data() + layer * W;
+    for (int64_t t = 0; t < n; ++t) {
+        for (int64_t d = 0; d < W; ++d) {
+            float *z = logits + (t * W + d) * E;
+            for (int64_t e = 0; e < E; ++e) z[e] *= c[d];
+        }
+    }
+}
+
+void LlaporMlpNet::prior_logits(int32_t layer, int64_t n, const float *x, const float *prev, float *out,
+                                std::vector<float> &scratch) const {
+    const int64_t D = cfg_.dim, E = cfg_.shape.n_experts, W = cfg_.window, WE = W * E, L = cfg_.shape.n_layers;
+    const bool with_prev = prev && cfg_.drift == "previous";
+    const int64_t F = with_prev ? cfg_.drift_prev_inputs() : D + 1;
+    if (scratch.size() < size_t(n * (F + D + E))) scratch.resize(size_t(n * (F + D + E)));
+    float *f = scratch.data(), *xh = f + n * F, *z = xh + n * D;
+    for (int64_t d = 1; d <= W; ++d) {
+        if (layer + d >= L) {
+            for (int64_t t = 0; t < n; ++t) std::fill_n(out + t * WE + (d - 1) * E, E, 0.0f);
+            continue;
+        }
+        std::copy_n(x, n * D, xh);
+        if (cfg_.drift != "none") {
+            for (int64_t t = 0; t < n; ++t) {
+                float *row = f + t * F;
+                std::copy_n(x + t * D, D, row);
+                if (with_prev) {
+                    std::copy_n(prev + (t * (W + 1) + d) * D, D, row + D);  // previous token at layer + d
+                    std::copy_n(prev + t * (W + 1) * D, D, row + 2 * D);    // and at layer
+                }
+                row[F - 1] = 1.0f;
+            }
+            const float *a = with_prev ? ps_[drift_].value.data() + ((layer * W + d - 1) * D) * F
+                                       : ps_[drift0_].value.data() + ((layer * W + d - 1) * D) * F;
+            nn::linear(f, n, F, a, nullptr, D, xh, /*accumulate=*/true);
+        }
+        nn::linear(xh, n, D, ps_[router_].value.data() + (layer + d) * E * D, nullptr, E, z);
+        for (int64_t t = 0; t < n; ++t) std::copy_n(z + t * E, E, out + t * WE + (d - 1) * E);
+    }
+}
+
+void LlaporMlpNet::forward(int32_t layer, int64_t n, const float *x, float *logits, Tape &tp, uint64_t drop_seed,
+                           const float *prior) const {
+    const Group &G = g_[size_t(cfg_.group_of(layer))];
+    const int64_t WE = int64_t(cfg_.window) * cfg_.shape.n_experts;
+    if (cfg_.has_mlp()) {
+        forward_mlp(layer, n, x, logits, tp, drop_seed);
+    } else {
+        std::fill_n(logits, n * WE, 0.0f);
+    }
+    if (!cfg_.has_prior()) return;
+    if (!prior) fail("{}: forward needs the prior's logits", cfg_.kind);
+    if (tp.prior.size() < size_t(n * WE)) tp.prior.resize(size_t(n * WE));
+    std::copy_n(prior, n * WE, tp.prior.begin());
+    const int64_t E = cfg_.shape.n_experts, nd = std::min<int64_t>(cfg_.window, cfg_.shape.n_layers - 1 - layer);
+    const float *scale = ps_[G.ps].value.data() + int64_t(layer) * cfg_.window;
+    for (int64_t t = 0; t < n; ++t) {
+        for (int64_t d = 0; d < nd; ++d) {
+            float *z = logits + t * WE + d * E;
+            const float *p = prior + t * WE + d * E;
+            for (int64_t e = 0; e < E; ++e) z[e] += scale[d] * p[e];
+        }
+    }
+}
+
+void LlaporMlpNet::forward_mlp(int32_t layer, int64_t n, const float *x, float *logits, Tape &tp,
+                               uint64_t drop_seed) const {
     const int32_t gi = cfg_.group_of(layer);
     const Group &G = g_[size_t(gi)];
     const int64_t H = cfg_.hidden, P = cfg_.pca_dim, D = cfg_.dim, WE = int64_t(cfg_.window) * cfg_.shape.n_experts;
@@ -317,6 +412,19 @@ void LlaporMlpNet::backward(int32_t layer, int64_t n, const Tape &tp, const floa
     const int32_t gi = cfg_.group_of(layer);
     const Group &G = g_[size_t(gi)];
     const int64_t H = cfg_.hidden, P = cfg_.pca_dim, WE = int64_t(cfg_.window) * cfg_.shape.n_experts;
+    if (cfg_.has_prior()) {
+        const int64_t E = cfg_.shape.n_experts, nd = std::min<int64_t>(cfg_.window, cfg_.shape.n_layers - 1 - layer);
+        float *dscale = ps_[G.ps].grad.data() + int64_t(layer) * cfg_.window;
+        for (int64_t t = 0; t < n; ++t) {
+            for (int64_t d = 0; d < nd; ++d) {
+                const float *dz = dlogits + t * WE + d * E, *p = tp.prior.data() + t * WE + d * E;
+                double acc = 0.0;
+                for (int64_t e = 0; e < E; ++e) acc += double(dz[e]) * p[e];
+                dscale[d] += float(acc);
+            }
+        }
+    }
+    if (!cfg_.has_mlp()) return;
     if (scratch.size() < size_t(6 * n * H)) scratch.resize(size_t(6 * n * H));
     float *du = scratch.data(), *du1 = du + n * H, *dr = du1 + n * H, *dv = dr + n * H, *ds = dv + n * H,
           *da1 = ds + n * H;
@@ -431,17 +539,53 @@ LlaporMlpPredictor::LlaporMlpPredictor(std::shared_ptr<const LlaporMlpNet> net, 
     : ScoringPredictor(net->config().shape, max_tokens, std::max(net->config().window, 8)), net_(std::move(net)),
       max_tokens_(max_tokens) {
     const LlaporConfig &c = net_->config();
-    logits_.resize(size_t(max_tokens) * size_t(c.window) * size_t(c.shape.n_experts));
-    std::vector<float> x(size_t(max_tokens) * size_t(c.dim), 0.0f);
-    net_->forward(0, max_tokens, x.data(), logits_.data(), tape_);  // sizes the tape once
+    const size_t WE = size_t(c.window) * size_t(c.shape.n_experts), D = size_t(c.dim);
+    logits_.resize(size_t(max_tokens) * WE);
+    std::vector<float> x(size_t(max_tokens) * D, 0.0f);
+    if (c.has_prior()) {
+        prior_.resize(size_t(max_tokens) * WE);
+        prev_x_.assign(size_t(c.shape.n_layers) * D, 0.0f);
+        cur_x_.assign(size_t(c.shape.n_layers) * D, 0.0f);
+        prev_seen_.assign(size_t(c.shape.n_layers), 0);
+        cur_seen_.assign(size_t(c.shape.n_layers), 0);
+        prev_rows_.assign(size_t(c.window + 1) * D, 0.0f);
+        // Sizes the scratch once: the decode form (one token with the previous one) and the multi-token form.
+        net_->prior_logits(0, 1, x.data(), prev_rows_.data(), prior_.data(), scratch_);
+        net_->prior_logits(0, max_tokens, x.data(), nullptr, prior_.data(), scratch_);
+    }
+    net_->forward(0, max_tokens, x.data(), logits_.data(), tape_, 0, prior_.data());  // sizes the tape once
 }
 
 void LlaporMlpPredictor::score(const PredictorInput &in, std::span<float> scores) {
     const LlaporConfig &c = net_->config();
-    if (!in.hidden) fail("the llapor-mlp predictor needs the router input (hidden state) of each layer");
-    if (in.n_embd != c.dim) fail("llapor-mlp: hidden state has {} values, the predictor expects {}", in.n_embd, c.dim);
-    if (in.n_tokens > max_tokens_) fail("llapor-mlp: {} tokens in one call, built for {}", in.n_tokens, max_tokens_);
-    net_->forward(in.layer, in.n_tokens, in.hidden, logits_.data(), tape_);
+    const char *kind = c.kind.c_str();
+    if (!in.hidden) fail("the {} predictor needs the router input (hidden state) of each layer", kind);
+    if (in.n_embd != c.dim) fail("{}: hidden state has {} values, the predictor expects {}", kind, in.n_embd, c.dim);
+    if (in.n_tokens > max_tokens_) fail("{}: {} tokens in one call, built for {}", kind, in.n_tokens, max_tokens_);
+    if (c.has_prior()) {
+        const size_t D = size_t(c.dim), L = size_t(c.shape.n_layers), l = size_t(in.layer);
+        // A layer not after the last one seen starts a new step: the step before becomes the previous token's.
+        // (The runtime never asks after the last layer, so a step is not known to be complete before that.)
+        if (in.layer <= last_layer_) {
+            std::swap(prev_x_, cur_x_), std::swap(prev_seen_, cur_seen_);
+            std::fill(cur_seen_.begin(), cur_seen_.end(), 0);
+            has_prev_ = true;
+        }
+        last_layer_ = in.layer;
+        // Decode: the previous token's router inputs at this layer and the predicted ones, when all were seen
+        // (rows past the last layer stay unread).
+        bool decode = in.n_tokens == 1 && has_prev_;
+        for (size_t d = 0; decode && d <= size_t(c.window) && l + d < L; ++d) {
+            decode = prev_seen_[l + d] != 0;
+            std::copy_n(prev_x_.data() + (l + d) * D, D, prev_rows_.data() + d * D);
+        }
+        net_->prior_logits(in.layer, in.n_tokens, in.hidden, decode ? prev_rows_.data() : nullptr, prior_.data(),
+                           scratch_);
+        std::copy_n(in.hidden + size_t(in.n_tokens - 1) * D, D, cur_x_.data() + l * D);
+        cur_seen_[l] = 1;
+    }
+    net_->forward(in.layer, in.n_tokens, in.hidden, logits_.data(), tape_, 0, prior_.data());
+    net_->calibrate(in.layer, in.n_tokens, logits_.data());
     const size_t WE = size_t(c.window) * size_t(c.shape.n_experts);
     for (int32_t t = 0; t < in.n_tokens; ++t) {
         logits_to_scores(logits_.data() + size_t(t) * WE, in.layer, c.shape.n_layers, c.window, c.shape.n_experts,

@@ -6,6 +6,7 @@
 #include <cblas.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <fstream>
 #include <iterator>
@@ -60,6 +61,38 @@ float softmax_xent_khot(const float *logits, int32_t n_experts, const uint8_t *i
         for (int32_t j = 0; j < k; ++j) dlogits[ids[j]] -= scale / float(k);
     }
     return float(loss);
+}
+
+float softmax_xent_negatives(const float *logits, int32_t n_experts, const uint8_t *ids, int32_t k, float scale,
+                             float *dlogits) {
+    bool target[256] = {};
+    for (int32_t j = 0; j < k; ++j) target[ids[j]] = true;
+    // lse = log sum over non-targets of exp(z); each target's term is log(exp(z_t) + exp(lse)) - z_t
+    // = softplus(lse - z_t), with gradient -sigmoid(lse - z_t) for z_t and softmax_neg(n) * sigmoid(lse - z_t)
+    // for each non-target n.
+    float mx = -INFINITY;
+    for (int32_t e = 0; e < n_experts; ++e) {
+        if (!target[e]) mx = std::max(mx, logits[e]);
+    }
+    double sum = 0.0;
+    for (int32_t e = 0; e < n_experts; ++e) {
+        if (!target[e]) sum += std::exp(double(logits[e] - mx));
+    }
+    const double lse = double(mx) + std::log(sum);
+    double loss = 0.0, w = 0.0;
+    for (int32_t j = 0; j < k; ++j) {
+        const double u = lse - double(logits[ids[j]]);
+        loss += u > 0 ? u + std::log1p(std::exp(-u)) : std::log1p(std::exp(u));
+        const double sg = 1.0 / (1.0 + std::exp(-u));
+        w += sg;
+        if (dlogits) dlogits[ids[j]] = -scale / float(k) * float(sg);
+    }
+    if (dlogits) {
+        for (int32_t e = 0; e < n_experts; ++e) {
+            if (!target[e]) dlogits[e] = scale / float(k) * float(std::exp(double(logits[e]) - lse) * w);
+        }
+    }
+    return float(loss / k);
 }
 
 size_t ParamSet::add(const std::string &name, std::vector<int64_t> shape, float scale, uint64_t seed, float fill) {

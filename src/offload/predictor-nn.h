@@ -32,6 +32,14 @@ inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 float softmax_xent_khot(const float *logits, int32_t n_experts, const uint8_t *ids, int32_t k, float scale,
                         float *dlogits);
 
+/// Softmax cross-entropy of each target against the non-targets only: for each of the k ids t,
+/// -log(exp(z_t) / (exp(z_t) + sum over non-targets n of exp(z_n))), averaged over the k ids. Unlike
+/// softmax_xent_khot it does not ask the targets to share the probability equally, only to rank above every
+/// non-target, which is what recall@k measures (docs/decisions/0054). ids must be distinct, n_experts <= 256.
+/// dlogits = scale * gradient when not null (it may alias logits).
+float softmax_xent_negatives(const float *logits, int32_t n_experts, const uint8_t *ids, int32_t k, float scale,
+                             float *dlogits);
+
 /// A named tensor with its gradient and Adam moments (moments allocated on the first Adam step).
 struct Param {
     std::string name;

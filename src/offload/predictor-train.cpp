@@ -11,6 +11,8 @@
 
 extern "C" void ssyev_(const char *jobz, const char *uplo, const int *n, float *a, const int *lda, float *w,
                        float *work, const int *lwork, int *info);
+extern "C" void sposv_(const char *uplo, const int *n, const int *nrhs, float *a, const int *lda, float *b,
+                       const int *ldb, int *info);
 
 namespace prescope {
 
@@ -27,6 +29,16 @@ struct Rng {
         for (size_t i = v.size(); i > 1; --i) std::swap(v[i - 1], v[size_t(next() % i)]);
     }
 };
+
+// A training loss of one distance's logits against the token's k experts (nn::softmax_xent_khot or _negatives).
+using LossFn = float (*)(const float *logits, int32_t n_experts, const uint8_t *ids, int32_t k, float scale,
+                         float *dlogits);
+
+LossFn loss_function(const std::string &name) {
+    if (name == "khot") return nn::softmax_xent_khot;
+    if (name == "negatives") return nn::softmax_xent_negatives;
+    fail("--loss {}: expected khot or negatives", name);
+}
 
 double seconds_since(std::chrono::steady_clock::time_point t) {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
@@ -200,7 +212,7 @@ struct LstmBatch {
 };
 
 double lstm_batch(LlaporLstmNet &net, const RoutingTrace &t, std::span<const int64_t> tokens,
-                  std::span<const uint8_t> has_prev, bool backward, LstmBatch &b, double *recall1) {
+                  std::span<const uint8_t> has_prev, bool backward, LossFn loss_fn, LstmBatch &b, double *recall1) {
     const LlaporConfig &c = net.config();
     const int32_t L = c.shape.n_layers, E = c.shape.n_experts, K = c.shape.top_k, W = c.window;
     const int64_t B = int64_t(tokens.size()), H = c.hidden, WE = int64_t(W) * E;
@@ -252,7 +264,7 @@ double lstm_batch(LlaporLstmNet &net, const RoutingTrace &t, std::span<const int
                 }
                 const uint8_t *target = t.ids(tokens[size_t(i)], l + d);
                 if (recall1 && d == 1) rec += topk_recall(zd, E, target, K, order), ++n_rec;
-                loss += nn::softmax_xent_khot(zd, E, target, K, scale, backward ? zd : nullptr);
+                loss += loss_fn(zd, E, target, K, scale, backward ? zd : nullptr);
             }
         }
     }
@@ -287,7 +299,7 @@ void list_tokens(const RoutingTrace &t, const std::vector<int64_t> &seqs, std::v
 double lstm_loss(LlaporLstmNet &net, const RoutingTrace &t, std::span<const int64_t> tokens,
                  std::span<const uint8_t> has_prev, bool accumulate_grad) {
     LstmBatch b;
-    return lstm_batch(net, t, tokens, has_prev, accumulate_grad, b, nullptr);
+    return lstm_batch(net, t, tokens, has_prev, accumulate_grad, nn::softmax_xent_khot, b, nullptr);
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -337,39 +349,222 @@ void fit_pca(LlaporMlpNet &net, const HiddenTrace &h, std::vector<float> &x) {
 struct MlpData {
     const RoutingTrace &t;
     const HiddenTrace &h;
-    std::vector<int64_t> flat;  // sidecar row -> flat token index of t
+    std::vector<int64_t> flat;      // sidecar row -> flat token index of t
+    std::vector<int64_t> prev_row;  // sidecar row -> row of the previous token of its sequence, or -1
 };
 
-// Loss (and gradients when backward) of rows `rows` (sidecar row indices) of one layer; dlogits in `logits`.
+// The previous token of a row is the row before it when that row holds the previous token of the same sequence.
+std::vector<int64_t> previous_rows(const HiddenTrace &h) {
+    std::vector<int64_t> prev;
+    int64_t row = 0;
+    for (size_t r = 0; r < h.token_ranges.size(); ++r) {
+        const auto &g = h.token_ranges[r];
+        for (int64_t j = 0; j < g[2]; ++j, ++row) {
+            const bool joined = r > 0 && h.token_ranges[r - 1][0] == g[0] &&
+                                h.token_ranges[r - 1][1] + h.token_ranges[r - 1][2] == g[1];
+            prev.push_back(j > 0 || joined ? row - 1 : -1);
+        }
+    }
+    return prev;
+}
+
+// Scratch of one MLP batch.
+struct MlpScratch {
+    LlaporMlpNet::Tape tape;
+    std::vector<float> x, logits, scratch, prior, prev, part, pscratch;
+    std::vector<int64_t> sel;
+};
+
+// MLP-prior: the prior's logits of `rows` at `layer` into m.prior [n][window * E] (m.x holds their router
+// inputs). Rows whose previous token is known read it (drift "previous"), the others use the map without it.
+void batch_prior(const LlaporMlpNet &net, const MlpData &data, int32_t layer, std::span<const int64_t> rows,
+                 MlpScratch &m) {
+    const LlaporConfig &c = net.config();
+    const int64_t n = int64_t(rows.size()), D = c.dim, W = c.window, WE = W * c.shape.n_experts;
+    m.prior.resize(size_t(n * WE));
+    if (c.drift != "previous") {
+        net.prior_logits(layer, n, m.x.data(), nullptr, m.prior.data(), m.pscratch);
+        return;
+    }
+    for (const bool with_prev : {true, false}) {
+        m.sel.clear();
+        for (int64_t i = 0; i < n; ++i) {
+            if ((data.prev_row[size_t(rows[size_t(i)])] >= 0) == with_prev) m.sel.push_back(i);
+        }
+        const int64_t k = int64_t(m.sel.size());
+        if (k == 0) continue;
+        m.part.resize(size_t(k * (D + WE)));
+        float *xs = m.part.data(), *out = xs + k * D;
+        if (with_prev) m.prev.assign(size_t(k * (W + 1) * D), 0.0f);
+        for (int64_t j = 0; j < k; ++j) {
+            const int64_t i = m.sel[size_t(j)];
+            std::copy_n(m.x.data() + i * D, D, xs + j * D);
+            if (!with_prev) continue;
+            const int64_t pr = data.prev_row[size_t(rows[size_t(i)])];
+            for (int64_t d = 0; d <= W && layer + d < c.shape.n_layers; ++d) {
+                data.h.dequantize(pr, int32_t(layer + d), m.prev.data() + (j * (W + 1) + d) * D);
+            }
+        }
+        net.prior_logits(layer, k, xs, with_prev ? m.prev.data() : nullptr, out, m.pscratch);
+        for (int64_t j = 0; j < k; ++j) std::copy_n(out + j * WE, WE, m.prior.data() + m.sel[size_t(j)] * WE);
+    }
+}
+
+// Loss (and gradients when backward) of rows `rows` (sidecar row indices) of one layer; dlogits in m.logits.
+// recall, when not null, receives the mean recall@k of each distance 1..window (0 past the last layer).
 double mlp_batch(LlaporMlpNet &net, const MlpData &data, int32_t layer, std::span<const int64_t> rows,
-                 uint64_t drop_seed, bool backward, LlaporMlpNet::Tape &tape, std::vector<float> &x,
-                 std::vector<float> &logits, std::vector<float> &scratch, double *recall1) {
+                 uint64_t drop_seed, bool backward, LossFn loss_fn, MlpScratch &m, double *recall) {
     const LlaporConfig &c = net.config();
     const int32_t L = c.shape.n_layers, E = c.shape.n_experts, K = c.shape.top_k, W = c.window;
     const int64_t n = int64_t(rows.size()), D = c.dim, WE = int64_t(W) * E;
-    x.resize(size_t(n * D));
-    logits.resize(size_t(n * WE));
-    for (int64_t i = 0; i < n; ++i) data.h.dequantize(rows[size_t(i)], layer, x.data() + i * D);
-    net.forward(layer, n, x.data(), logits.data(), tape, drop_seed);
+    m.x.resize(size_t(n * D));
+    m.logits.resize(size_t(n * WE));
+    for (int64_t i = 0; i < n; ++i) data.h.dequantize(rows[size_t(i)], layer, m.x.data() + i * D);
+    if (c.has_prior()) batch_prior(net, data, layer, rows, m);
+    net.forward(layer, n, m.x.data(), m.logits.data(), m.tape, drop_seed, c.has_prior() ? m.prior.data() : nullptr);
     const int32_t nd = std::min(W, L - 1 - layer);
     const float scale = 1.0f / float(n * nd);
-    double loss = 0, rec = 0;
+    double loss = 0;
+    std::vector<double> rec(size_t(W), 0.0);
     std::vector<int32_t> order;
     for (int64_t i = 0; i < n; ++i) {
         const int64_t tok = data.flat[size_t(rows[size_t(i)])];
         for (int32_t d = 1; d <= W; ++d) {
-            float *z = logits.data() + i * WE + (d - 1) * E;
+            float *z = m.logits.data() + i * WE + (d - 1) * E;
             if (d > nd) {
                 std::fill(z, z + E, 0.0f);
                 continue;
             }
-            if (recall1 && d == 1) rec += topk_recall(z, E, data.t.ids(tok, layer + d), K, order);
-            loss += nn::softmax_xent_khot(z, E, data.t.ids(tok, layer + d), K, scale, backward ? z : nullptr);
+            if (recall) rec[size_t(d - 1)] += topk_recall(z, E, data.t.ids(tok, layer + d), K, order);
+            loss += loss_fn(z, E, data.t.ids(tok, layer + d), K, scale, backward ? z : nullptr);
         }
     }
-    if (recall1) *recall1 = rec / double(n);
-    if (backward) net.backward(layer, n, tape, logits.data(), scratch);
+    if (recall) {
+        for (int32_t d = 0; d < W; ++d) recall[d] = rec[size_t(d)] / double(n);
+    }
+    if (backward) net.backward(layer, n, m.tape, m.logits.data(), m.scratch);
     return loss / double(n * nd);
+}
+
+// MLP-prior: fits the drift maps by ridge regression of x_{l+d} - x_l on the map's inputs f (decision 0054):
+// A^T = (F^T F + ridge I)^-1 F^T (Y - X) over `rows`; the map with the previous token on the rows that have one.
+void fit_drift(LlaporMlpNet &net, const MlpData &data, std::span<const int64_t> rows, float ridge) {
+    const LlaporConfig &c = net.config();
+    if (c.drift == "none") return;
+    const int64_t D = c.dim, W = c.window;
+    const int32_t L = c.shape.n_layers;
+    for (const bool with_prev : {false, true}) {
+        if (with_prev && c.drift != "previous") continue;
+        std::vector<int64_t> use;
+        for (int64_t r : rows) {
+            if (!with_prev || data.prev_row[size_t(r)] >= 0) use.push_back(r);
+        }
+        const int64_t n = int64_t(use.size()), F = with_prev ? c.drift_prev_inputs() : D + 1;
+        if (n == 0) continue;  // the map stays zero (Fate's prior)
+        nn::Param &a = net.params().get(with_prev ? "prior.drift" : "prior.drift0");
+        std::vector<float> f(size_t(n * F)), y(size_t(n * D)), xl(size_t(n * D)), pl(size_t(n * D));
+        std::vector<float> g(size_t(F * F)), bt(size_t(D * F));
+        for (int32_t l = 0; l + 1 < L; ++l) {
+            for (int64_t i = 0; i < n; ++i) {
+                data.h.dequantize(use[size_t(i)], l, xl.data() + i * D);
+                if (with_prev) data.h.dequantize(data.prev_row[size_t(use[size_t(i)])], l, pl.data() + i * D);
+            }
+            for (int64_t d = 1; d <= W && l + d < L; ++d) {
+                for (int64_t i = 0; i < n; ++i) {
+                    float *row = f.data() + i * F;
+                    std::copy_n(xl.data() + i * D, D, row);
+                    if (with_prev) {
+                        data.h.dequantize(data.prev_row[size_t(use[size_t(i)])], int32_t(l + d), row + D);
+                        std::copy_n(pl.data() + i * D, D, row + 2 * D);
+                    }
+                    row[F - 1] = 1.0f;
+                    data.h.dequantize(use[size_t(i)], int32_t(l + d), y.data() + i * D);
+                    for (int64_t j = 0; j < D; ++j) y[size_t(i * D + j)] -= xl[size_t(i * D + j)];
+                }
+                std::fill(g.begin(), g.end(), 0.0f);
+                std::fill(bt.begin(), bt.end(), 0.0f);
+                nn::linear_backward(f.data(), f.data(), n, F, nullptr, F, g.data(), nullptr, nullptr);   // F^T F
+                nn::linear_backward(f.data(), y.data(), n, F, nullptr, D, bt.data(), nullptr, nullptr);  // Y^T F
+                for (int64_t j = 0; j < F; ++j) g[size_t(j * F + j)] += ridge;
+                // Column-major, bt [D][F] is the F x D right-hand side; the solution [D][F] is A, row j = output j.
+                const int fn = int(F), dn = int(D);
+                int info = 0;
+                sposv_("U", &fn, &dn, g.data(), &fn, bt.data(), &fn, &info);
+                if (info != 0) fail("drift fit of layer {} distance {}: LAPACK sposv failed (info {})", l, d, info);
+                std::copy(bt.begin(), bt.end(), a.value.begin() + ((l * W + d - 1) * D) * F);
+            }
+        }
+    }
+}
+
+// The factor s minimising the sum over rows i of loss_fn(s * z_i) against the token's experts at `target_layer`,
+// z_i = z + i * stride (E logits); golden-section search over log(s) in [-7, 9] (both losses are convex in s).
+float fit_logit_scale(const MlpData &data, std::span<const int64_t> rows, int32_t target_layer, const float *z,
+                      int64_t stride, LossFn loss_fn) {
+    const int32_t E = data.t.n_expert, K = data.t.top_k;
+    std::vector<float> v(static_cast<size_t>(E));
+    auto loss_at = [&](double log_s) {
+        const auto sc = float(std::exp(log_s));
+        double sum = 0;
+        for (size_t i = 0; i < rows.size(); ++i) {
+            for (int32_t e = 0; e < E; ++e) v[size_t(e)] = sc * z[int64_t(i) * stride + e];
+            sum += loss_fn(v.data(), E, data.t.ids(data.flat[size_t(rows[i])], target_layer), K, 1.0f, nullptr);
+        }
+        return sum;
+    };
+    const double phi = 0.5 * (std::sqrt(5.0) - 1.0);
+    double a = -7.0, b = 9.0, x1 = b - phi * (b - a), x2 = a + phi * (b - a);
+    double f1 = loss_at(x1), f2 = loss_at(x2);
+    for (int it = 0; it < 32; ++it) {
+        if (f1 < f2) b = x2, x2 = x1, f2 = f1, x1 = b - phi * (b - a), f1 = loss_at(x1);
+        else a = x1, x1 = x2, f1 = f2, x2 = a + phi * (b - a), f2 = loss_at(x2);
+    }
+    return float(std::exp(0.5 * (a + b)));
+}
+
+// At most 1024 of `rows`, evenly spaced.
+std::vector<int64_t> subsample(std::span<const int64_t> rows) {
+    std::vector<int64_t> sub;
+    for (size_t i = 0; i < rows.size(); i += std::max<size_t>(1, rows.size() / 1024)) sub.push_back(rows[i]);
+    return sub;
+}
+
+// MLP-prior: the scale of each (layer, distance) that minimises the training loss of the prior alone on at most
+// 1024 of `rows`: where training starts.
+void fit_prior_scale(LlaporMlpNet &net, const MlpData &data, std::span<const int64_t> rows, LossFn loss_fn) {
+    const LlaporConfig &c = net.config();
+    const int32_t L = c.shape.n_layers, W = c.window;
+    const std::vector<int64_t> sub = subsample(rows);
+    const int64_t n = int64_t(sub.size()), WE = int64_t(W) * c.shape.n_experts, D = c.dim;
+    MlpScratch m;
+    for (int32_t l = 0; l + 1 < L; ++l) {
+        m.x.resize(size_t(n * D));
+        for (int64_t i = 0; i < n; ++i) data.h.dequantize(sub[size_t(i)], l, m.x.data() + i * D);
+        batch_prior(net, data, l, sub, m);
+        for (int32_t d = 1; d <= W && l + d < L; ++d) {
+            const float s = fit_logit_scale(data, sub, l + d, m.prior.data() + (d - 1) * c.shape.n_experts, WE, loss_fn);
+            for (int32_t g = 0; g < c.n_groups(); ++g) {
+                net.params().get("g" + std::to_string(g) + ".ps").value[size_t(l * W + d - 1)] = s;
+            }
+        }
+    }
+}
+
+// MLP-prior: prior.calib of each (layer, distance): the factor on the trained network's logits that minimises the
+// k-hot cross-entropy on at most 1024 of `rows` (its optimum is softmax = P(expert routed) / k: calibrated scores).
+void fit_calibration(LlaporMlpNet &net, const MlpData &data, std::span<const int64_t> rows) {
+    const LlaporConfig &c = net.config();
+    const int32_t L = c.shape.n_layers, W = c.window, E = c.shape.n_experts;
+    const std::vector<int64_t> sub = subsample(rows);
+    nn::Param &calib = net.params().get("prior.calib");
+    MlpScratch m;
+    for (int32_t l = 0; l + 1 < L; ++l) {
+        mlp_batch(net, data, l, sub, 0, false, nn::softmax_xent_khot, m, nullptr);
+        for (int32_t d = 1; d <= W && l + d < L; ++d) {
+            calib.value[size_t(l * W + d - 1)] = fit_logit_scale(data, sub, l + d, m.logits.data() + (d - 1) * E,
+                                                                 int64_t(W) * E, nn::softmax_xent_khot);
+        }
+    }
 }
 
 } // namespace
@@ -379,12 +574,20 @@ double mlp_batch(LlaporMlpNet &net, const MlpData &data, int32_t layer, std::spa
 
 TrainResult train_llapor(const RoutingTrace &train, const HiddenTrace *hidden, const TrainOptions &opt,
                          const std::function<void(const std::string &)> &progress) {
-    const bool lstm = opt.kind == "llapor-lstm";
-    if (!lstm && opt.kind != "llapor-mlp") fail("--kind {}: expected llapor-lstm or llapor-mlp", opt.kind);
-    if (!lstm && !hidden) fail("llapor-mlp trains on hidden states: pass --hidden (the trace's .hidden.zst sidecar)");
-    if (opt.window < 1 || opt.epochs < 1 || opt.batch < 1 || opt.val_every < 2) {
+    const bool lstm = opt.kind == "llapor-lstm", prior = opt.kind == "llapor-mlp-prior";
+    if (!lstm && !prior && opt.kind != "llapor-mlp") {
+        fail("--kind {}: expected llapor-lstm, llapor-mlp or llapor-mlp-prior", opt.kind);
+    }
+    if (!lstm && !hidden) fail("{} trains on hidden states: pass --hidden (the trace's .hidden.zst sidecar)", opt.kind);
+    if (opt.window < 1 || opt.epochs < 0 || (opt.epochs == 0 && !prior) || opt.batch < 1 || opt.val_every < 2) {
         fail("train-predictor: window, epochs and batch must be positive and val-every at least 2");
     }
+    if (opt.drift != "none" && opt.drift != "current" && opt.drift != "previous") {
+        fail("--drift {}: expected none, current or previous", opt.drift);
+    }
+    if (!(opt.ridge >= 0.0f)) fail("--ridge {}: must be >= 0", opt.ridge);
+    const std::string loss_name = opt.loss.empty() ? (prior ? "negatives" : "khot") : opt.loss;
+    const LossFn loss_fn = loss_function(loss_name);
     if (train.n_layer < 2) fail("train-predictor: the trace has {} layer(s); predicting needs at least 2", train.n_layer);
     LlaporConfig cfg;
     cfg.kind = opt.kind;
@@ -400,6 +603,19 @@ TrainResult train_llapor(const RoutingTrace &train, const HiddenTrace *hidden, c
         }
         cfg.dim = hidden->dim;
         cfg.pca_dim = int32_t(std::min<int64_t>(opt.pca_dim, hidden->dim));
+    }
+    if (prior) {
+        cfg.drift = opt.drift;
+        cfg.correction = opt.correction;
+        if (!opt.routers) fail("llapor-mlp-prior needs the model's routers: pass -m MODEL.gguf or --routers FILE");
+        const auto &r = *opt.routers;
+        if (int32_t(r.size()) != train.n_layer) fail("{} router matrices for {} layers", r.size(), train.n_layer);
+        for (const auto &m : r) {
+            if (int64_t(m.size()) != int64_t(train.n_expert) * cfg.dim) {
+                fail("a router matrix has {} values, expected n_experts {} x dim {}", m.size(), train.n_expert,
+                     cfg.dim);
+            }
+        }
     }
     cfg.notes = {{"groups", opt.groups == "auto" ? measured.to_json() : nlohmann::json(opt.groups)},
                  {"trained_on", {{"model", train.model}, {"sequences", train.sequences.size()},
@@ -449,7 +665,7 @@ TrainResult train_llapor(const RoutingTrace &train, const HiddenTrace *hidden, c
                     bt.push_back(tok[order[j]]), bp.push_back(prev[order[j]]);
                 }
                 net.params().zero_grad();
-                tl += lstm_batch(net, train, bt, bp, true, b, nullptr);
+                tl += lstm_batch(net, train, bt, bp, true, loss_fn, b, nullptr);
                 net.params().clip_grad_norm(5.0);
                 adam.step(net.params());
                 ++nb;
@@ -461,7 +677,7 @@ TrainResult train_llapor(const RoutingTrace &train, const HiddenTrace *hidden, c
                 double r = 0;
                 const std::span<const int64_t> vt(val_tok.data() + i, e - i);
                 const std::span<const uint8_t> vp(val_prev.data() + i, e - i);
-                vl += lstm_batch(net, train, vt, vp, false, b, &r) * double(e - i);
+                vl += lstm_batch(net, train, vt, vp, false, loss_fn, b, &r) * double(e - i);
                 vrec += r * double(e - i);
                 vn += int64_t(e - i);
             }
@@ -474,8 +690,8 @@ TrainResult train_llapor(const RoutingTrace &train, const HiddenTrace *hidden, c
     } else {
         LlaporMlpNet net(cfg, opt.seed);
         std::vector<float> x;
-        fit_pca(net, *hidden, x);
-        MlpData data{train, *hidden, hidden->flat_token_indices(train)};
+        if (cfg.has_mlp()) fit_pca(net, *hidden, x);
+        MlpData data{train, *hidden, hidden->flat_token_indices(train), previous_rows(*hidden)};
         // Sidecar rows of fitting and validation sequences; the validation sequences are picked among the
         // sequences the sidecar covers.
         std::vector<int64_t> covered;
@@ -499,13 +715,48 @@ TrainResult train_llapor(const RoutingTrace &train, const HiddenTrace *hidden, c
             fit_rows.resize(size_t(opt.max_tokens));
         }
         if (val_rows.size() > 2048) val_rows.resize(2048);
-        LlaporMlpNet::Tape tape;
-        std::vector<float> logits, scratch;
+        if (prior) {
+            const int64_t D = cfg.dim, L = cfg.shape.n_layers;
+            nn::Param &router = net.params().get("prior.router");
+            for (int64_t l = 0; l < L; ++l) {
+                std::copy((*opt.routers)[size_t(l)].begin(), (*opt.routers)[size_t(l)].end(),
+                          router.value.begin() + l * cfg.shape.n_experts * D);
+            }
+            fit_drift(net, data, fit_rows, opt.ridge);
+            fit_prior_scale(net, data, fit_rows, loss_fn);
+        }
+        MlpScratch m;
+        const int32_t W = cfg.window;
+        // Validation: loss and recall@k per distance (each distance averaged over the layers it reaches).
+        auto validate = [&](int32_t epoch, double train_loss) {
+            double vl = 0;
+            std::vector<double> vrec(size_t(W), 0.0), r(static_cast<size_t>(W));
+            std::vector<int32_t> n_rec(size_t(W), 0);
+            for (int32_t l = 0; l + 1 < cfg.shape.n_layers; ++l) {
+                vl += mlp_batch(net, data, l, val_rows, 0, false, loss_fn, m, r.data());
+                for (int32_t d = 1; d <= W && l + d < cfg.shape.n_layers; ++d) {
+                    vrec[size_t(d - 1)] += r[size_t(d - 1)], ++n_rec[size_t(d - 1)];
+                }
+            }
+            vl /= double(cfg.shape.n_layers - 1);
+            double mean_rec = 0;
+            for (int32_t d = 0; d < W; ++d) {
+                vrec[size_t(d)] /= std::max(n_rec[size_t(d)], 1), mean_rec += vrec[size_t(d)] / W;
+            }
+            res.log.push_back({{"epoch", epoch}, {"val_loss", vl}, {"val_recall_at_k_d1", vrec[0]},
+                               {"val_recall_at_k", vrec}, {"seconds", seconds_since(t0)}});
+            if (epoch > 0) res.log.back()["train_loss"] = train_loss;
+            if (progress) progress(res.log.back().dump());
+            // MLP-prior selects on recall@k (its loss is not the metric); LLaPor-MLP on the validation loss.
+            const double crit = prior ? -mean_rec : vl;
+            if (crit < best) best = crit, res.params = net.params(), res.config.notes["selected_epoch"] = epoch;
+        };
+        if (prior) validate(0, 0.0);  // the prior alone (the correction starts at zero)
         // Each group is its own network: its own Adam state and batches of its own layers.
         std::vector<nn::Adam> adams(size_t(cfg.n_groups()), adam);
         std::vector<std::pair<int32_t, size_t>> batches;  // (layer, first index into a shuffled copy of fit_rows)
         std::vector<std::vector<int64_t>> shuffled(size_t(cfg.shape.n_layers));
-        for (int32_t ep = 0; ep < opt.epochs; ++ep) {
+        for (int32_t ep = 0; cfg.has_mlp() && ep < opt.epochs; ++ep) {
             batches.clear();
             for (int32_t l = 0; l + 1 < cfg.shape.n_layers; ++l) {
                 shuffled[size_t(l)] = fit_rows;
@@ -518,24 +769,27 @@ TrainResult train_llapor(const RoutingTrace &train, const HiddenTrace *hidden, c
                 const auto &rows = shuffled[size_t(l)];
                 const std::span<const int64_t> br(rows.data() + i, std::min(rows.size() - i, size_t(opt.batch)));
                 net.params().zero_grad();
-                tl += mlp_batch(net, data, l, br, rng.next() | 1, true, tape, x, logits, scratch, nullptr);
+                tl += mlp_batch(net, data, l, br, rng.next() | 1, true, loss_fn, m, nullptr);
                 const int32_t g = cfg.group_of(l);
                 const auto [first, last] = net.group_params(g);
                 adams[size_t(g)].step(net.params(), first, last);
             }
-            double vl = 0, vrec = 0;
-            int64_t vn = 0;
-            for (int32_t l = 0; l + 1 < cfg.shape.n_layers; ++l) {
-                double r = 0;
-                vl += mlp_batch(net, data, l, val_rows, 0, false, tape, x, logits, scratch, &r);
-                vrec += r;
-                ++vn;
+            validate(ep + 1, tl / double(batches.size()));
+        }
+        if (prior && cfg.correction && res.config.notes["selected_epoch"] == 0) {
+            // No epoch of the correction beat the prior alone on validation: keep the prior alone.
+            res.config.correction = false;
+            res.config.notes["correction"] = "dropped: no epoch of the correction beat the prior alone on validation";
+            LlaporMlpNet alone(res.config, opt.seed);
+            for (size_t i = 0; i < alone.params().size(); ++i) {
+                alone.params()[i].value = res.params.get(alone.params()[i].name).value;
             }
-            vl /= double(vn), vrec /= double(vn);
-            res.log.push_back({{"epoch", ep + 1}, {"train_loss", tl / double(batches.size())}, {"val_loss", vl},
-                               {"val_recall_at_k_d1", vrec}, {"seconds", seconds_since(t0)}});
-            if (progress) progress(res.log.back().dump());
-            if (vl < best) best = vl, res.params = net.params();
+            res.params = alone.params();
+        }
+        if (prior) {
+            LlaporMlpNet final_net(res.config, res.params);
+            fit_calibration(final_net, data, fit_rows);
+            res.params = final_net.params();
         }
     }
     for (size_t i = 0; i < res.params.size(); ++i) {
@@ -545,7 +799,9 @@ TrainResult train_llapor(const RoutingTrace &train, const HiddenTrace *hidden, c
     }
     res.config.notes["training"] = {{"log", res.log}, {"options", {{"epochs", opt.epochs}, {"batch", opt.batch},
                                     {"lr", opt.lr}, {"weight_decay", opt.weight_decay}, {"seed", opt.seed},
-                                    {"max_tokens", opt.max_tokens}, {"val_every", opt.val_every}}}};
+                                    {"max_tokens", opt.max_tokens}, {"val_every", opt.val_every},
+                                    {"dropout", opt.dropout}, {"loss", loss_name}}}};
+    if (prior) res.config.notes["training"]["options"]["ridge"] = opt.ridge;
     return res;
 }
 

@@ -31,7 +31,7 @@ GroupMeasurement measure_groups(const RoutingTrace &t, int32_t n_groups = 3, int
 std::vector<int32_t> parse_groups(const std::string &spec, const RoutingTrace &t, GroupMeasurement *measured);
 
 struct TrainOptions {
-    std::string kind = "llapor-lstm";  // or "llapor-mlp"
+    std::string kind = "llapor-lstm";  // or "llapor-mlp", "llapor-mlp-prior"
     int32_t window = 3;
     std::string groups = "auto";
     int32_t hidden = 0;        // 0: 64 for the LSTM, 128 for the MLP
@@ -44,6 +44,14 @@ struct TrainOptions {
     int64_t max_tokens = 0;    // use at most this many training tokens (0: all)
     int64_t val_every = 10;    // every val_every-th training sequence is kept aside for model selection
     uint64_t seed = 1;
+    // "khot": softmax cross-entropy against the k-hot target; "negatives": each target against the non-targets
+    // only (nn::softmax_xent_negatives). Empty: negatives for llapor-mlp-prior, khot otherwise.
+    std::string loss;
+    // llapor-mlp-prior (docs/decisions/0054):
+    std::string drift = "previous";  // what the drift map reads: none (Fate's prior), current, previous
+    bool correction = true;          // train the MLP correction; validation may still drop it (prior alone)
+    float ridge = 10.0f;             // ridge penalty of the drift fit (on the unscaled router inputs)
+    const std::vector<std::vector<float>> *routers = nullptr;  // [n_layers][n_experts * dim], as FatePredictor reads
 };
 
 struct TrainResult {
@@ -53,8 +61,11 @@ struct TrainResult {
 };
 
 /// Trains an LLaPor predictor on `train` (all of its sequences; split held-out data off before). LLaPor-MLP
-/// needs `hidden` (the sidecar rows of `train`). The parameters of the epoch with the lowest validation loss
-/// are kept. progress, when set, receives one line per epoch. Throws prescope::Error on bad options or data.
+/// and LLaPor-MLP-prior need `hidden` (the sidecar rows of `train`), the prior also opt.routers. The
+/// parameters of the epoch with the lowest validation loss are kept (MLP-prior: the highest validation
+/// recall@k averaged over the distances, counting the prior alone as epoch 0; when that wins, the file holds
+/// the prior alone). progress, when set, receives one line per epoch. Throws prescope::Error on bad options
+/// or data.
 TrainResult train_llapor(const RoutingTrace &train, const HiddenTrace *hidden, const TrainOptions &opt,
                          const std::function<void(const std::string &)> &progress = {});
 

@@ -1,6 +1,6 @@
 // Expert predictors: metrics on hand-made traces with known answers, the cache replay, gradient checks of the
-// LLaPor networks, learning planted structure better than frequency, save/load, Fate against the real router,
-// and the layer-group measurement.
+// LLaPor networks, learning planted structure better than frequency (and, with the routers as a prior, better
+// than Fate where Fate is biased), save/load, Fate against the real router, and the layer-group measurement.
 #include "arch/arch.h"
 #include "core/error.h"
 #include "offload/predictor-baselines.h"
@@ -188,14 +188,15 @@ RoutingTrace random_trace(int32_t L, int32_t E, int32_t K, int n_seq, int len, u
     return t;
 }
 
-// Compares analytic gradients with central differences on a few entries of every tensor.
+// Compares analytic gradients with central differences on a few entries of every tensor in
+// [first_param, last_param) (last_param 0: to the end).
 template <typename LossFn>
-void check_gradients(nn::ParamSet &ps, LossFn loss, size_t first_param = 0) {
+void check_gradients(nn::ParamSet &ps, LossFn loss, size_t first_param = 0, size_t last_param = 0) {
     ps.zero_grad();
     loss(true);
     std::mt19937 rng(7);
     int checked = 0;
-    for (size_t i = first_param; i < ps.size(); ++i) {
+    for (size_t i = first_param; i < (last_param ? last_param : ps.size()); ++i) {
         nn::Param &p = ps[i];
         for (int k = 0; k < 4; ++k) {
             const size_t j = rng() % p.value.size();
@@ -271,6 +272,135 @@ TEST(LlaporNn, MlpGradientsMatchFiniteDifferences) {
             return l * 0.1;
         };
         check_gradients(net.params(), loss, /*first_param=*/2);  // PCA tensors are fitted, not trained
+    }
+}
+
+TEST(LlaporNn, NegativesLossGradientAndLargeLogits) {
+    std::mt19937 rng(3);
+    std::uniform_real_distribution<float> u(-2.0f, 2.0f);
+    const uint8_t ids[3] = {4, 0, 7};
+    std::vector<float> z(9), dz(9);
+    for (auto &v : z) v = u(rng);
+    nn::softmax_xent_negatives(z.data(), 9, ids, 3, 0.5f, dz.data());
+    for (int e = 0; e < 9; ++e) {
+        const float v = z[size_t(e)], eps = 1e-2f;
+        z[size_t(e)] = v + eps;
+        const double up = nn::softmax_xent_negatives(z.data(), 9, ids, 3, 0.5f, nullptr);
+        z[size_t(e)] = v - eps;
+        const double down = nn::softmax_xent_negatives(z.data(), 9, ids, 3, 0.5f, nullptr);
+        z[size_t(e)] = v;
+        EXPECT_NEAR(dz[size_t(e)], 0.5 * (up - down) / (2 * eps), 1e-3) << e;
+    }
+    // Targets far above and far below the non-targets: finite, about 0 and about the gap.
+    std::vector<float> big{1000, 0, 0, 0, 0, 0, 0, 0, 0};
+    big[4] = 1000, big[7] = -1000;
+    const float l = nn::softmax_xent_negatives(big.data(), 9, ids, 3, 1.0f, dz.data());
+    EXPECT_TRUE(std::isfinite(l));
+    EXPECT_NEAR(l, 1000.0f / 3.0f, 1.0f);
+    for (float g : dz) EXPECT_TRUE(std::isfinite(g));
+}
+
+namespace {
+
+LlaporConfig prior_config(bool correction, const std::string &drift) {
+    LlaporConfig c;
+    c.kind = "llapor-mlp-prior";
+    c.shape = {4, 6, 2};
+    c.window = 2;
+    c.group_start = {0, 1, 3};  // group 1 (layers 1-2) is deep: gated residual block
+    c.hidden = 5;
+    c.dim = 3;
+    c.pca_dim = 3;
+    c.dropout = 0.25f;
+    c.drift = drift;
+    c.correction = correction;
+    return c;
+}
+
+} // namespace
+
+// The prior's logits are layer l+d's router applied to x moved by the drift map, read with and without the
+// previous token, worked out here directly.
+TEST(LlaporNn, PriorLogitsApplyTheDriftAndTheNextRouters) {
+    LlaporMlpNet net(prior_config(false, "previous"), 1);
+    std::mt19937 rng(4);
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    for (const char *name : {"prior.router", "prior.drift0", "prior.drift"}) {
+        for (auto &v : net.params().get(name).value) v = u(rng);
+    }
+    const int64_t D = 3, E = 6, W = 2;
+    const std::vector<float> x{0.5f, -1.0f, 2.0f};
+    std::vector<float> prev(size_t((W + 1) * D));
+    for (auto &v : prev) v = u(rng);
+    std::vector<float> out(size_t(W * E)), scratch;
+    for (const bool with_prev : {false, true}) {
+        const int32_t layer = 1;
+        net.prior_logits(layer, 1, x.data(), with_prev ? prev.data() : nullptr, out.data(), scratch);
+        for (int64_t d = 1; d <= W; ++d) {
+            std::vector<float> f(x);
+            if (with_prev) {
+                f.insert(f.end(), prev.begin() + d * D, prev.begin() + (d + 1) * D);
+                f.insert(f.end(), prev.begin(), prev.begin() + D);
+            }
+            f.push_back(1.0f);
+            const int64_t F = int64_t(f.size());
+            const float *a = net.params().get(with_prev ? "prior.drift" : "prior.drift0").value.data() +
+                             ((layer * W + d - 1) * D) * F;
+            const float *r = net.params().get("prior.router").value.data() + (layer + d) * E * D;
+            for (int64_t e = 0; e < E; ++e) {
+                double z = 0;
+                for (int64_t j = 0; j < D; ++j) {
+                    double xh = x[size_t(j)];
+                    for (int64_t i = 0; i < F; ++i) xh += double(a[j * F + i]) * f[size_t(i)];
+                    z += double(r[e * D + j]) * xh;
+                }
+                EXPECT_NEAR(out[size_t((d - 1) * E + e)], z, 1e-4) << "d " << d << " e " << e << " prev " << with_prev;
+            }
+        }
+    }
+    // Layer 2 predicts layer 3 only: distance 2 is past the last layer and left at 0.
+    net.prior_logits(2, 1, x.data(), prev.data(), out.data(), scratch);
+    for (int64_t e = 0; e < E; ++e) EXPECT_EQ(out[size_t(E + e)], 0.0f);
+}
+
+TEST(LlaporNn, MlpPriorGradientsMatchFiniteDifferences) {
+    const RoutingTrace t = random_trace(4, 6, 2, 1, 5, 13);
+    LlaporMlpNet net(prior_config(true, "previous"), 5);
+    std::mt19937 rng(2);
+    std::uniform_real_distribution<float> u(-0.6f, 0.6f);
+    for (size_t i = 0; i < net.params().size(); ++i) {
+        for (auto &v : net.params()[i].value) v = u(rng);
+    }
+    std::vector<float> x(5 * 3), prev(5 * 3 * 3);
+    for (auto &v : x) v = u(rng) * 3;
+    for (auto &v : prev) v = u(rng) * 3;
+    // Trained tensors: the groups' (after pca.mean, pca.proj; before prior.router, drift0, drift, calib).
+    const size_t first = net.group_params(0).first, last = net.group_params(2).second;
+    EXPECT_EQ(net.params()[first - 1].name, "pca.proj");
+    EXPECT_EQ(net.params()[last].name, "prior.router");
+    for (int32_t layer : {0, 1, 2}) {
+        std::vector<float> prior(5 * 12), scratch;
+        net.prior_logits(layer, 5, x.data(), prev.data(), prior.data(), scratch);
+        const int nd = std::min(2, 3 - layer);
+        auto loss = [&](bool grad) {
+            LlaporMlpNet::Tape tape;
+            std::vector<float> logits(5 * 12), bscratch;
+            net.forward(layer, 5, x.data(), logits.data(), tape, /*drop_seed=*/99, prior.data());
+            double l = 0;
+            for (int i = 0; i < 5; ++i) {
+                for (int d = 1; d <= 2; ++d) {
+                    float *z = logits.data() + i * 12 + (d - 1) * 6;
+                    if (d > nd) {
+                        std::fill(z, z + 6, 0.0f);
+                        continue;
+                    }
+                    l += nn::softmax_xent_negatives(z, 6, t.ids(i, layer + d), 2, 0.1f, grad ? z : nullptr);
+                }
+            }
+            if (grad) net.backward(layer, 5, tape, logits.data(), bscratch);
+            return l * 0.1;
+        };
+        check_gradients(net.params(), loss, first, last);
     }
 }
 
@@ -400,6 +530,188 @@ TEST(LlaporTrain, MlpLearnsPlantedHiddenStatesAndBeatsFrequency) {
     save_llapor(p.string(), r.config, r.params);
     auto loaded = load_llapor(p.string());
     EXPECT_DOUBLE_EQ(recall_d1(loaded.get(), test, &htest), rm);
+}
+
+namespace {
+
+// A model in miniature whose router inputs drift between layers: x_{l+1}(t) = M x_l(t) + temporal * x_{l+1}(t-1)
+// + noise, and each layer routes by its own router on its own input plus a per-expert bias, as a real model does
+// (the bias stands for what a router input alone does not say). Fate applies layer l+1's router to x_l: it is
+// biased by M - I, by the previous token's share and by the bias.
+struct DriftWorld {
+    static constexpr int32_t L = 4, E = 16, K = 2;
+    static constexpr int64_t D = 8;
+    float drift = 0.0f, temporal = 0.0f, bias = 0.0f;
+    std::vector<std::vector<float>> routers;  // [L][E * D]
+    std::vector<float> m;                     // [D][D]
+
+    DriftWorld(float drift_, float temporal_, float bias_) : drift(drift_), temporal(temporal_), bias(bias_) {
+        std::mt19937 rng(17);
+        std::normal_distribution<float> nd;
+        routers.assign(L, std::vector<float>(size_t(E * D)));
+        for (auto &r : routers) {
+            for (auto &v : r) v = nd(rng);
+        }
+        m.assign(size_t(D * D), 0.0f);
+        for (int64_t i = 0; i < D; ++i) {
+            for (int64_t j = 0; j < D; ++j) m[size_t(i * D + j)] = (i == j) + drift * nd(rng) / std::sqrt(float(D));
+        }
+    }
+
+    RoutingTrace trace(int n_seq, int len, uint32_t seed, HiddenTrace &h) const {
+        RoutingTrace t = empty_trace(L, E, K);
+        h = HiddenTrace{};
+        h.trace = "drift", h.n_layer = L, h.dim = D;
+        std::mt19937 rng(seed);
+        std::normal_distribution<float> nd;
+        std::vector<float> x(size_t(L * D)), prev(size_t(L * D)), z(static_cast<size_t>(E));
+        std::vector<int32_t> ids(size_t(L * K)), order(static_cast<size_t>(E));
+        for (int s = 0; s < n_seq; ++s) {
+            t.sequences.push_back({"s" + std::to_string(s), "test", 0});
+            std::fill(prev.begin(), prev.end(), 0.0f);
+            for (int i = 0; i < len; ++i) {
+                for (int64_t c = 0; c < D; ++c) x[size_t(c)] = nd(rng);
+                for (int32_t l = 1; l < L; ++l) {
+                    for (int64_t r = 0; r < D; ++r) {
+                        float v = temporal * prev[size_t(l * D + r)] + 0.2f * nd(rng);
+                        for (int64_t c = 0; c < D; ++c) v += m[size_t(r * D + c)] * x[size_t((l - 1) * D + c)];
+                        x[size_t(l * D + r)] = v;
+                    }
+                }
+                for (int32_t l = 0; l < L; ++l) {
+                    for (int32_t e = 0; e < E; ++e) {
+                        float v = e < 3 ? bias : 0.0f;
+                        for (int64_t c = 0; c < D; ++c) v += routers[size_t(l)][size_t(e * D + c)] * x[size_t(l * D + c)];
+                        z[size_t(e)] = v;
+                    }
+                    std::iota(order.begin(), order.end(), 0);
+                    std::partial_sort(order.begin(), order.begin() + K, order.end(),
+                                      [&](int32_t a, int32_t b) { return z[size_t(a)] > z[size_t(b)]; });
+                    std::copy_n(order.begin(), K, ids.begin() + l * K);
+                }
+                t.append_token(0, ids, std::vector<float>(ids.size(), 0.5f));
+                t.sequences.back().n_tokens += 1;
+                h.append_token(x.data());
+                prev = x;
+            }
+            h.token_ranges.push_back({int64_t(s), 0, int64_t(len)});
+        }
+        return t;
+    }
+
+    TrainResult train(const RoutingTrace &t, const HiddenTrace &h, const std::string &drift_kind, bool correction,
+                      int32_t epochs) const {
+        TrainOptions o;
+        o.kind = "llapor-mlp-prior";
+        o.window = 2;
+        o.groups = "1,3";
+        o.hidden = 32;
+        o.pca_dim = 8;
+        o.epochs = epochs;
+        o.batch = 32;
+        o.lr = 5e-3f;
+        o.drift = drift_kind;
+        o.correction = correction;
+        o.routers = &routers;
+        return train_llapor(t, &h, o);
+    }
+};
+
+double recall_at(ScoringPredictor *p, const RoutingTrace &t, const HiddenTrace &h, int32_t d) {
+    EvalOptions o;
+    o.window = 2;
+    const EvalCell c = evaluate_predictor(p, t, &h, o, "test").sum(d, d, t.n_layer);
+    return c.recall / double(c.n);
+}
+
+} // namespace
+
+// Fate is biased by the drift of the router input and by the previous token's share of it; the prior's drift
+// map learns both (the "previous" map reads the previous token), and the file round-trips.
+TEST(LlaporTrain, PriorLearnsTheDriftAndBeatsFate) {
+    const DriftWorld w(0.9f, 0.6f, 0.0f);
+    HiddenTrace htrain, htest;
+    const RoutingTrace train = w.trace(30, 20, 41, htrain), test = w.trace(8, 20, 42, htest);
+    FatePredictor fate({w.L, w.E, w.K}, w.D, w.routers, 1, 2);
+    const TrainResult cur = w.train(train, htrain, "current", false, 0);
+    const TrainResult prev = w.train(train, htrain, "previous", false, 0);
+    EXPECT_FALSE(prev.config.correction);
+    LlaporMlpPredictor pcur(std::make_shared<LlaporMlpNet>(cur.config, cur.params));
+    LlaporMlpPredictor pprev(std::make_shared<LlaporMlpNet>(prev.config, prev.params));
+    for (int32_t d : {1, 2}) {
+        const double rf = recall_at(&fate, test, htest, d), rc = recall_at(&pcur, test, htest, d),
+                     rp = recall_at(&pprev, test, htest, d);
+        EXPECT_GT(rc, rf + 0.05) << "distance " << d;
+        EXPECT_GT(rp, rc + 0.03) << "distance " << d << ", fate " << rf;
+    }
+
+    const fs::path p = tmp_file("prior.pred");
+    save_llapor(p.string(), prev.config, prev.params);
+    LlaporConfig cfg;
+    auto loaded = load_llapor(p.string(), 1, &cfg);
+    EXPECT_EQ(cfg.to_json(), prev.config.to_json());
+    EXPECT_STREQ(loaded->name(), "llapor-mlp-prior");
+    EXPECT_DOUBLE_EQ(recall_at(loaded.get(), test, htest, 2), recall_at(&pprev, test, htest, 2));
+
+    // The runtime never calls after the last layer: the decode form is still used where the previous token's
+    // inputs are known (layer 0 needs layers 0-2 of it) and the form without them where not (layer 2 needs 3).
+    auto net = std::make_shared<LlaporMlpNet>(prev.config, prev.params);
+    LlaporMlpPredictor all_layers(net), runtime(net), first_token(net);
+    std::vector<float> a(2 * 16), b(2 * 16), c(2 * 16), x(size_t(w.D));
+    std::vector<int32_t> ids(2);
+    for (int64_t i = 0; i < 2; ++i) {
+        for (int32_t l = 0; l < w.L; ++l) {
+            htest.dequantize(i, l, x.data());
+            ids[0] = test.ids(i, l)[0], ids[1] = test.ids(i, l)[1];
+            const PredictorInput in{l, w.L, 2, ids, 1, 2, x.data(), w.D};
+            all_layers.score(in, a);
+            if (l + 1 < w.L) runtime.score(in, b);
+            if (i == 1 && l + 1 < w.L) {
+                first_token.reset();
+                first_token.score(in, c);  // no previous token: the map without it
+                if (l == 0) EXPECT_EQ(a, b);
+                if (l == 0) EXPECT_NE(a, c);
+                if (l == 2) EXPECT_EQ(std::vector<float>(b.begin(), b.begin() + 16),
+                                      std::vector<float>(c.begin(), c.begin() + 16));
+            }
+        }
+    }
+
+    // Without routers, or with routers of another shape: a clear error.
+    TrainOptions o;
+    o.kind = "llapor-mlp-prior";
+    o.groups = "1";
+    auto expect_error = [&](const std::string &what) {
+        try {
+            train_llapor(train, &htrain, o);
+            ADD_FAILURE() << "accepted: " << what;
+        } catch (const Error &e) {
+            EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+        }
+    };
+    expect_error("needs the model's routers");
+    const std::vector<std::vector<float>> small(size_t(w.L), std::vector<float>(5));
+    o.routers = &small;
+    expect_error("expected n_experts 16 x dim 8");
+}
+
+// Fate misses what its router input does not say (here a per-expert bias of the real routing); with no drift map,
+// the MLP correction on top of Fate's logits learns it.
+TEST(LlaporTrain, PriorCorrectionLearnsWhatFateMisses) {
+    const DriftWorld w(0.0f, 0.0f, 2.5f);
+    HiddenTrace htrain, htest;
+    const RoutingTrace train = w.trace(40, 25, 51, htrain), test = w.trace(8, 25, 52, htest);
+    FatePredictor fate({w.L, w.E, w.K}, w.D, w.routers, 1, 2);
+    const TrainResult r = w.train(train, htrain, "none", true, 6);
+    EXPECT_TRUE(r.config.correction) << r.config.notes.dump();
+    LlaporMlpPredictor prior(std::make_shared<LlaporMlpNet>(r.config, r.params));
+    const double rf = recall_at(&fate, test, htest, 1), rp = recall_at(&prior, test, htest, 1);
+    EXPECT_GT(rp, rf + 0.1);
+
+    const fs::path p = tmp_file("prior-mlp.pred");
+    save_llapor(p.string(), r.config, r.params);
+    auto loaded = load_llapor(p.string());
+    EXPECT_DOUBLE_EQ(recall_at(loaded.get(), test, htest, 1), rp);
 }
 
 TEST(LlaporFile, RejectsDamagedFiles) {

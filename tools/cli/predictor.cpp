@@ -56,13 +56,23 @@ Loaded load_split(const SplitArgs &s) {
     return d;
 }
 
+// The predictor column of eval-predictor's results: the kind, then what sets this file apart from the default.
+std::string predictor_label(const LlaporConfig &cfg) {
+    std::string s = cfg.kind;
+    if (cfg.has_prior()) {
+        s += cfg.drift == "previous" ? "" : "-drift-" + cfg.drift;
+        s += cfg.correction ? "" : "-alone";
+    }
+    return s + (cfg.n_groups() == 1 ? "-1group" : "");
+}
+
 } // namespace
 
 void register_train_predictor(CLI::App &app) {
     struct Args {
         SplitArgs split;
         TrainOptions opt;
-        std::string out;
+        std::string out, model, routers, correction = "mlp";
         int threads = 0;
         int verbosity = 0;
     };
@@ -70,15 +80,31 @@ void register_train_predictor(CLI::App &app) {
     auto *cmd = app.add_subcommand("train-predictor", "train a LLaPor expert predictor on a routing trace");
     add_split_flags(*cmd, a->split, "train");
     TrainOptions &o = a->opt;
-    cmd->add_option("--kind", o.kind, "llapor-lstm (gating history) or llapor-mlp (hidden states)")
-        ->required()->check(CLI::IsMember({"llapor-lstm", "llapor-mlp"}));
+    cmd->add_option("--kind", o.kind,
+                    "llapor-lstm (gating history), llapor-mlp (hidden states) or llapor-mlp-prior (hidden states "
+                    "with the later layers' routers as a prior)")
+        ->required()->check(CLI::IsMember({"llapor-lstm", "llapor-mlp", "llapor-mlp-prior"}));
+    cmd->add_option("-m,--model", a->model, "llapor-mlp-prior: model GGUF to read the routers from")
+        ->check(CLI::ExistingFile);
+    cmd->add_option("--routers", a->routers, "llapor-mlp-prior: HF safetensors with layers.N.mlp.gate.weight")
+        ->check(CLI::ExistingFile);
+    cmd->add_option("--drift", o.drift, "llapor-mlp-prior: router-input drift map: none (Fate), current, previous")
+        ->check(CLI::IsMember({"none", "current", "previous"}))->capture_default_str();
+    cmd->add_option("--correction", a->correction, "llapor-mlp-prior: mlp (train a correction) or none")
+        ->check(CLI::IsMember({"mlp", "none"}))->capture_default_str();
+    cmd->add_option("--ridge", o.ridge, "llapor-mlp-prior: ridge penalty of the drift fit")->capture_default_str();
+    cmd->add_option("--loss", o.loss, "khot or negatives (default: negatives for llapor-mlp-prior, else khot)")
+        ->check(CLI::IsMember({"khot", "negatives"}));
+    cmd->add_option("--val-every", o.val_every, "every N-th training sequence is kept aside for model selection")
+        ->capture_default_str();
     cmd->add_option("--out", a->out, "predictor file to write")->required();
     cmd->add_option("--window", o.window, "predict layers l+1 .. l+window")->capture_default_str();
     cmd->add_option("--groups", o.groups, "auto (measured), 1 (one predictor for all layers), or A,B")
         ->capture_default_str();
     cmd->add_option("--width", o.hidden, "LSTM state / MLP width (0: 64 / 128)")->capture_default_str();
     cmd->add_option("--pca-dim", o.pca_dim, "MLP: principal components per layer")->capture_default_str();
-    cmd->add_option("--epochs", o.epochs, "passes over the training tokens")->capture_default_str();
+    cmd->add_option("--epochs", o.epochs, "passes over the training tokens (llapor-mlp-prior: may be 0)")
+        ->capture_default_str();
     cmd->add_option("--batch", o.batch, "tokens (LSTM) or rows (MLP) per step")->capture_default_str();
     cmd->add_option("--lr", o.lr, "Adam learning rate")->capture_default_str();
     cmd->add_option("--weight-decay", o.weight_decay, "AdamW weight decay")->capture_default_str();
@@ -92,6 +118,27 @@ void register_train_predictor(CLI::App &app) {
         cpu::set_threads(a->threads);
         openblas_set_num_threads(cpu::get_threads());  // training is all BLAS: let OpenBLAS use every thread
         Loaded d = load_split(a->split);
+        std::vector<std::vector<float>> routers;
+        if (a->opt.kind == "llapor-mlp-prior") {
+            if (!d.hidden) fail("--kind llapor-mlp-prior trains on hidden states: pass --hidden");
+            const RoutingTrace &t = d.part;
+            if (!a->routers.empty()) {
+                routers = FatePredictor::read_routers_safetensors(a->routers, t.n_layer, t.n_expert, d.hidden->dim);
+            } else if (!a->model.empty()) {
+                const auto model = Model::load(a->model);
+                if (model->hp().n_layer != t.n_layer || model->hp().n_expert != t.n_expert ||
+                    model->hp().n_embd != d.hidden->dim) {
+                    fail("{}: {} layers, {} experts, width {}, but the trace has {} and {} and the sidecar {}",
+                         a->model, model->hp().n_layer, model->hp().n_expert, model->hp().n_embd, t.n_layer,
+                         t.n_expert, d.hidden->dim);
+                }
+                routers = FatePredictor::read_routers(*model);
+            } else {
+                fail("--kind llapor-mlp-prior reads the routers: pass -m MODEL.gguf or --routers FILE.safetensors");
+            }
+            a->opt.routers = &routers;
+            a->opt.correction = a->correction == "mlp";
+        }
         TrainResult r = train_llapor(d.part, d.hidden.get(), a->opt,
                                      [](const std::string &line) { std::fprintf(stderr, "train: %s\n", line.c_str()); });
         r.config.notes["trained_on"]["trace"] = std::filesystem::path(a->split.trace).filename().string();
@@ -108,7 +155,8 @@ void register_train_predictor(CLI::App &app) {
 void register_eval_predictor(CLI::App &app) {
     struct Args {
         SplitArgs split;
-        std::string predictor, model, routers, json_out, metric = "topk_accuracy", groups = "auto", policy = "lru";
+        std::string predictor, model, routers, json_out, metric = "topk_accuracy", groups = "auto", policy = "lru",
+            label;
         EvalOptions opt;
         double decay = 0.9;
         int threads = 1;
@@ -134,6 +182,7 @@ void register_eval_predictor(CLI::App &app) {
         ->capture_default_str();
     cmd->add_option("--decay", a->decay, "recency: per-token decay of the popularity counts")->capture_default_str();
     cmd->add_option("--json", a->json_out, "write the result as JSON to this file");
+    cmd->add_option("--label", a->label, "name of the predictor in the table and JSON (default: from the predictor)");
     cmd->add_option("-t,--threads", a->threads, "CPU threads for BLAS")->capture_default_str();
     cmd->add_flag("-v,--verbose", a->verbosity, "more logging");
     cmd->callback([a]() {
@@ -195,7 +244,8 @@ void register_eval_predictor(CLI::App &app) {
                                  (d.hidden ? "+hidden" : "");
         EvalResult r = evaluate_predictor(p.get(), t, d.hidden.get(), a->opt, name);
         if (!p && spec == "none") r.predictor = "none";
-        else if (cfg.n_groups() > 0) r.predictor = cfg.kind + (cfg.n_groups() == 1 ? "-1group" : "");
+        else if (cfg.n_groups() > 0) r.predictor = predictor_label(cfg);
+        if (!a->label.empty()) r.predictor = a->label;
         std::fputs(r.table().c_str(), stdout);
         if (!a->json_out.empty()) {
             std::ofstream out(a->json_out);
