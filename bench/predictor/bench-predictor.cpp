@@ -7,7 +7,8 @@
 //
 // Rows: none-equivalent cost is zero; frequency and fate are the training-free baselines the LLaPor rows are read
 // against (ratio = LLaPor time / fate time, printed at the end). Weights are random: the cost does not depend on
-// their values. One thread, as on the runtime thread.
+// their values. One thread, as on the runtime thread. llapor-mlp-prior runs in its decode form (the previous
+// token's router inputs known, drift "previous"), alone and with the MLP correction (deep form everywhere).
 #include "backend/cpu/ops.h"
 #include "offload/predictor-baselines.h"
 #include "offload/predictor-llapor.h"
@@ -28,7 +29,7 @@ namespace {
 constexpr int32_t L = 48, E = 128, K = 8, D = 64, W = 3;
 const PredictorShape kShape{L, E, K};
 
-LlaporConfig llapor_config(const char *kind, std::vector<int32_t> groups) {
+LlaporConfig llapor_config(const char *kind, std::vector<int32_t> groups, bool correction = true) {
     LlaporConfig c;
     c.kind = kind;
     c.shape = kShape;
@@ -37,6 +38,8 @@ LlaporConfig llapor_config(const char *kind, std::vector<int32_t> groups) {
     c.hidden = std::string(kind) == "llapor-lstm" ? 64 : 128;
     c.dim = D;
     c.pca_dim = 64;
+    c.drift = "previous";
+    c.correction = correction;
     return c;
 }
 
@@ -83,12 +86,29 @@ void BM_llapor_mlp(benchmark::State &state) {
     run(state, p, "llapor-mlp");
 }
 
+void BM_llapor_mlp_prior(benchmark::State &state) {
+    LlaporMlpPredictor p(std::make_shared<LlaporMlpNet>(llapor_config("llapor-mlp-prior", {0, 22, 39}, false), 1));
+    run(state, p, "llapor-mlp-prior");
+}
+
+// Args: MLP width, number of layer groups (1: the deep form everywhere; 3: the topo groups 0-21, 22-38, 39-47).
+void BM_llapor_mlp_prior_mlp(benchmark::State &state) {
+    const auto width = int32_t(state.range(0)), groups = int32_t(state.range(1));
+    LlaporConfig c = llapor_config("llapor-mlp-prior", groups == 1 ? std::vector<int32_t>{0}
+                                                                   : std::vector<int32_t>{0, 22, 39});
+    c.hidden = width;
+    LlaporMlpPredictor p(std::make_shared<LlaporMlpNet>(c, 1));
+    run(state, p, "mlp-prior+mlp w" + std::to_string(width) + " g" + std::to_string(groups));
+}
+
 } // namespace
 
 BENCHMARK(BM_frequency)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_fate)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_llapor_lstm)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_llapor_mlp)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_llapor_mlp_prior)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_llapor_mlp_prior_mlp)->Args({128, 3})->Args({128, 1})->Args({64, 3})->Unit(benchmark::kMicrosecond);
 
 // The console table, then each row's time against fate's (the training-free baseline) and the 50 us target.
 // CPU time is the one to read on a shared machine (real time includes waiting for a core).
@@ -105,10 +125,10 @@ class RatioReporter : public benchmark::ConsoleReporter {
     void Finalize() override {
         ConsoleReporter::Finalize();
         const double fate = us_.count("fate") ? us_["fate"][1] : 0.0;
-        std::printf("\n%-14s %14s %14s %12s %10s\n", "predictor", "real us/layer", "CPU us/layer", "CPU vs fate",
+        std::printf("\n%-21s %14s %14s %12s %10s\n", "predictor", "real us/layer", "CPU us/layer", "CPU vs fate",
                     "CPU <= 50");
         for (const auto &[name, us] : us_) {
-            std::printf("%-14s %14.2f %14.2f %12.2f %10s\n", name.c_str(), us[0], us[1], fate > 0 ? us[1] / fate : 0.0,
+            std::printf("%-21s %14.2f %14.2f %12.2f %10s\n", name.c_str(), us[0], us[1], fate > 0 ? us[1] / fate : 0.0,
                         us[1] <= 50.0 ? "yes" : "NO");
         }
     }
