@@ -552,26 +552,31 @@ struct RopeCase : Case {
     double bytes() const override { return double(x.size() * 8); }
 };
 
+/// Workspace handed to attention: the size it asks for, none (no split), or a quarter (fewer splits).
+enum class AttnWs { FULL, NONE, QUARTER };
+
 struct AttentionCase : Case {
     int64_t n_tok, pos0, n_head, n_head_kv, head_dim;
     float q_scale;  // larger queries sharpen the softmax (exercises the running-max rescale)
-    bool with_ws;
+    AttnWs ws_mode;
     std::vector<float> q, kc, vc, out_ref;
     DevBuf dq, dk, dv, dout, ws;
-    AttentionCase(int64_t nt, int64_t p0, int64_t nh, int64_t nkv, int64_t hd, float qs = 1.0f, bool w = true)
-        : n_tok(nt), pos0(p0), n_head(nh), n_head_kv(nkv), head_dim(hd), q_scale(qs), with_ws(w) {}
+    AttentionCase(int64_t nt, int64_t p0, int64_t nh, int64_t nkv, int64_t hd, float qs = 1.0f,
+                  AttnWs w = AttnWs::FULL)
+        : n_tok(nt), pos0(p0), n_head(nh), n_head_kv(nkv), head_dim(hd), q_scale(qs), ws_mode(w) {}
     std::string op() const override { return "attention"; }
     std::string vars() const override {
-        return strf("n_tok=%lld,pos0=%lld,n_head=%lld,n_head_kv=%lld,head_dim=%lld,q_scale=%g%s",
-                    (long long)n_tok, (long long)pos0, (long long)n_head, (long long)n_head_kv,
-                    (long long)head_dim, double(q_scale), with_ws ? "" : ",no-split");
+        return strf("n_tok=%lld,pos0=%lld,n_head=%lld,n_head_kv=%lld,head_dim=%lld,q_scale=%g%s", (long long)n_tok,
+                    (long long)pos0, (long long)n_head, (long long)n_head_kv, (long long)head_dim, double(q_scale),
+                    ws_mode == AttnWs::NONE ? ",no-split" : ws_mode == AttnWs::QUARTER ? ",ws/4" : "");
     }
     void init(Rng &rng) override {
         const size_t n_kv = size_t(pos0 + n_tok);
         q = rng.floats(size_t(n_tok * n_head * head_dim), -q_scale, q_scale);
         kc = rng.floats(n_kv * size_t(n_head_kv * head_dim)), vc = rng.floats(n_kv * size_t(n_head_kv * head_dim));
         dq = DevBuf(q), dk = DevBuf(kc), dv = DevBuf(vc), dout = DevBuf(q.size() * 4);
-        ws = DevBuf(with_ws ? cu::attention_workspace_bytes(n_tok, pos0, n_head, n_head_kv, head_dim) : 0);
+        const size_t full = cu::attention_workspace_bytes(n_tok, pos0, n_head, n_head_kv, head_dim);
+        ws = DevBuf(ws_mode == AttnWs::FULL ? full : ws_mode == AttnWs::QUARTER ? full / 4 : 0);
     }
     float scale() const { return 1.0f / std::sqrt(float(head_dim)); }
     void reference() override {
@@ -582,7 +587,7 @@ struct AttentionCase : Case {
     void poison() override { dout.poison(); }
     void run() override {
         cu::attention(dq.as<float>(), dk.as<float>(), dv.as<float>(), n_tok, pos0, n_head, n_head_kv, head_dim, scale(),
-                      dout.as<float>(), with_ws ? ws.workspace() : cu::Workspace{}, g_stream);
+                      dout.as<float>(), ws_mode == AttnWs::NONE ? cu::Workspace{} : ws.workspace(), g_stream);
     }
     std::vector<Check> compare() override { return {nmse("out", dout.download<float>(), out_ref, kExact)}; }
     double bytes() const override { return double(q.size() * 8) + double(kc.size() + vc.size()) * 4.0; }
@@ -836,17 +841,31 @@ CaseList test_cases() {
         add<RopeCase>(l, 16, 2, 16, m, 1e6f, 4096);
     }
 
-    add<AttentionCase>(l, 1, 0, 32, 4, 128);         // first decode step
+    // A block takes 4, 8 or 16 query rows (tokens x heads of one KV head) and a split of the keys,
+    // in tiles of 32 keys (head_dim 128), 16 (256) or 64 (<= 64); decode splits the keys over ~2 waves.
+    add<AttentionCase>(l, 1, 0, 32, 4, 128);         // first decode step: one key, no split
     add<AttentionCase>(l, 1, 200, 32, 4, 128);
-    add<AttentionCase>(l, 1, 4095, 32, 4, 128);      // splits the keys
-    add<AttentionCase>(l, 1, 4095, 32, 4, 128, 1.0f, false);
-    add<AttentionCase>(l, 4, 1000, 32, 4, 128, 4.0f);
-    add<AttentionCase>(l, 64, 0, 32, 4, 128);        // prefill
+    add<AttentionCase>(l, 1, 511, 32, 4, 128);       // 16 splits of one tile each
+    add<AttentionCase>(l, 1, 1000, 32, 4, 128);      // last split and tile partly filled
+    add<AttentionCase>(l, 1, 4095, 32, 4, 128);      // 64 splits of two tiles
+    add<AttentionCase>(l, 1, 4095, 32, 4, 128, 1.0f, AttnWs::NONE);
+    add<AttentionCase>(l, 1, 4095, 32, 4, 128, 4.0f, AttnWs::QUARTER);  // fewer, longer splits
+    add<AttentionCase>(l, 4, 1000, 32, 4, 128, 4.0f);  // two tokens per block, split
+    add<AttentionCase>(l, 3, 500, 32, 4, 128);       // a full and a half-full row block
+    add<AttentionCase>(l, 64, 0, 32, 4, 128);        // prefill (splits: few row blocks)
+    add<AttentionCase>(l, 100, 20, 32, 4, 128, 4.0f);
+    add<AttentionCase>(l, 1, 2047, 28, 4, 128);      // 7 heads per KV head (Qwen2-MoE 57B): 8-row block
+    add<AttentionCase>(l, 9, 300, 28, 4, 128);       // 2 tokens x 7 heads per block
     add<AttentionCase>(l, 17, 100, 4, 2, 64, 4.0f);  // demo
+    add<AttentionCase>(l, 1, 3000, 8, 2, 64);        // head_dim 64 decode, 4-row blocks, split
     add<AttentionCase>(l, 33, 0, 4, 2, 16);          // topo
+    add<AttentionCase>(l, 1, 500, 4, 2, 16);
     add<AttentionCase>(l, 5, 3, 2, 1, 32);           // smoke
+    add<AttentionCase>(l, 40, 7, 8, 8, 32);          // 16 tokens per block
     add<AttentionCase>(l, 3, 10, 16, 16, 128);       // no GQA (OLMoE)
+    add<AttentionCase>(l, 1, 2047, 16, 16, 128);     // no GQA decode: one row of a 4-row block
     add<AttentionCase>(l, 2, 50, 32, 2, 256);        // 16 heads per KV head, head_dim 256
+    add<AttentionCase>(l, 1, 700, 16, 4, 256, 4.0f); // head_dim 256 decode, split
     add<AttentionCase>(l, 1, 70000, 8, 1, 64);       // long context, 8 queries over one KV head
 
     for (auto [r, n] : {std::pair<int64_t, int64_t>{1, 128}, {64, 128}, {5, 7}, {3, 151936}}) add<SoftmaxCase>(l, r, n);

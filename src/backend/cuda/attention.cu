@@ -1,11 +1,14 @@
-// Attention kernels (attention.cuh). A block handles one query token and one KV head with all the
-// query heads that share it (GQA: each K/V tile is read once for the group), walking its keys in tiles
-// of 32 through shared memory with an online softmax. When the keys are split, each split writes an
-// unnormalised partial output plus its running max and sum, and a second kernel merges them.
+// Attention kernels (attention.cuh). A block takes a run of query rows (one or more tokens times the
+// query heads of one KV head, up to 16 rows) and a range of keys, streamed through shared memory in
+// tiles with double-buffered cp.async copies; scores, online softmax and P.V are spread over all 128
+// threads. When the keys are split, each split writes an unnormalised partial output plus its running
+// max and sum, and a second kernel merges them (flash-decoding).
 #include "backend/cuda/attention.cuh"
 
 #include "backend/cuda/device.cuh"
 
+#include <algorithm>
+#include <cstdint>
 #include <cstdio>
 
 namespace prescope::cuda {
@@ -13,11 +16,43 @@ namespace prescope::cuda {
 namespace {
 
 constexpr int kAttnThreads = 128;
-constexpr int kAttnWarps = kAttnThreads / kWarp;
-constexpr int kAttnTile = kWarp;    // keys per tile: one per lane when scoring
-constexpr int kAttnMaxGroup = 16;   // query heads per KV head
+constexpr int kAttnMaxGroup = 16;  // query heads per KV head
+constexpr int kAttnMaxRows = 16;   // query rows per block (tokens x heads of the group)
 constexpr int kAttnMaxSplits = 64;
-constexpr int64_t kAttnMinSplitKeys = 128;
+
+/// Keys per tile: 32 KB of K and V per stage (4096 floats of each), at most 64 keys.
+constexpr int attn_tile(int64_t hd) { return hd >= 128 ? int(4096 / hd) : 64; }
+
+/// Query rows per block for `rows` rows in all (n_tok x group): 4, 8 or 16.
+constexpr int attn_rows(int64_t rows) { return rows <= 4 ? 4 : rows <= 8 ? 8 : kAttnMaxRows; }
+
+// Work split of one block, all compile-time (HD: head_dim, RP: query rows, padded):
+// - scores: LPK adjacent lanes share a key, each summing every LPK-th float4 of head_dim for all rows
+//   (K read once from shared memory, Q broadcast); KPT keys per thread; the LPK partial sums are
+//   reduced by halving exchanges, after which each lane owns RP / LPK rows of its key.
+// - softmax: TPR adjacent lanes per row, over the tile's keys.
+// - P.V: a thread owns one float4 column of V and every KG-th key of the tile, for all rows; the KG
+//   partial outputs are summed once, after the last tile.
+template <int HD, int RP>
+struct AttnShape {
+    static constexpr int C = HD / 4;  // float4 chunks per row
+    static constexpr int T = attn_tile(HD);
+    static constexpr int LPK = 128 / T > 4 ? 128 / T : 4;
+    static constexpr int KSLOTS = kAttnThreads / LPK;
+    static constexpr int KPT = T / KSLOTS;
+    static constexpr int CPL = C / LPK;
+    static constexpr int NF = RP / LPK > 0 ? RP / LPK : 1;  // rows a lane owns after the reduction
+    static constexpr int TPR = kAttnThreads / RP;
+    static constexpr int KG = kAttnThreads / C;
+    static constexpr int PP = RP + 4;  // pitch of P rows in floats: float4-aligned, fewer bank conflicts
+    static constexpr int STAGE = 2 * T * HD;  // floats of one K + V stage
+    static constexpr int RED = kAttnThreads * RP * 4;  // floats of the final cross-thread sum
+    static constexpr int BIG = 2 * STAGE > RED ? 2 * STAGE : RED;
+    // floats: stages (or the final sum) | Q [RP][HD] | P [T][PP] | alpha [RP] | m, l [RP] | limits (int64) [RP]
+    static constexpr size_t smem_bytes() { return sizeof(float) * size_t(BIG + RP * HD + T * PP + 3 * RP) + 8 * RP; }
+    static_assert(LPK * CPL == C && KSLOTS * KPT == T && KG * C == kAttnThreads && TPR <= kWarp);
+    static_assert(RP % 4 == 0 && RP <= kAttnMaxRows);
+};
 
 struct AttnArgs {
     const float *q, *k, *v;
@@ -25,156 +60,252 @@ struct AttnArgs {
     float *part_o;   // [n_split][n_tok][n_head][HD] unnormalised partial outputs when n_split > 1
     float *part_ml;  // [n_split][n_tok][n_head][2]: running max and sum of each partial
     int64_t n_tok, pos0, n_head, n_head_kv;
-    int64_t split_len;  // keys per split, a multiple of kAttnTile
+    int64_t split_len;  // keys per split, a multiple of the tile
     int group;          // n_head / n_head_kv
+    int tok_per_block;  // RP / group
     int n_split;
     float scale;
 };
 
-// Shared memory, in floats: Q [group][HD], K tile [32][HD + 1] (padded: lanes read different keys at the
-// same column), V tile [32][HD], P [group][32], then running max, sum and rescale factor per head.
-size_t attn_smem_bytes(int hd, int group) {
-    return sizeof(float) * size_t(group * hd + kAttnTile * (hd + 1) + kAttnTile * hd + group * kAttnTile + 3 * group);
+/// Position of float4 chunk c of key row k in the K tile: odd rows swap the halves of each 128-byte
+/// line, so the two keys a quarter-warp reads (64 bytes each) fall on different banks.
+template <int C>
+__device__ __forceinline__ int k_slot(int k, int c) {
+    if constexpr (C >= 8) return k * C + (c ^ ((k & 1) << 2));
+    return k * C + c;
 }
 
-template <int HD>
+/// Sums N partial values over the LPK adjacent lanes that share a key (lanes at distance O and up), by
+/// halving exchanges: each step keeps the half of the values chosen by the lane's bit O and adds the
+/// partner's partial of that half. On return v[0, max(1, N / (LPK / O))) holds full sums of the values
+/// that started at [base, ...). Recursive so that every loop bound is a compile-time constant (a loop
+/// over the steps left v in local memory).
+template <int R, int N, int O, int LPK>
+__device__ __forceinline__ void reduce_key_lanes(float (&v)[R], int j, int &base) {
+    if constexpr (O < LPK) {
+        if constexpr (N > 1) {
+            const bool hi = (j & O) != 0;
+#pragma unroll
+            for (int i = 0; i < N / 2; ++i) {
+                const float send = hi ? v[i] : v[i + N / 2];
+                const float keep = hi ? v[i + N / 2] : v[i];
+                v[i] = keep + __shfl_xor_sync(0xffffffffu, send, O);
+            }
+            if (hi) base += N / 2;
+            reduce_key_lanes<R, N / 2, 2 * O, LPK>(v, j, base);
+        } else {
+            v[0] += __shfl_xor_sync(0xffffffffu, v[0], O);
+            reduce_key_lanes<R, 1, 2 * O, LPK>(v, j, base);
+        }
+    }
+}
+
+template <int HD, int RP>
 __global__ void __launch_bounds__(kAttnThreads, 2) attention_kernel(const AttnArgs a) {
+    using S = AttnShape<HD, RP>;
+    constexpr int C = S::C, T = S::T, LPK = S::LPK, KPT = S::KPT, PP = S::PP;
     extern __shared__ __align__(16) float sm[];
-    const int G = a.group;
-    float *qs = sm, *ks = qs + G * HD, *vs = ks + kAttnTile * (HD + 1), *ps = vs + kAttnTile * HD;
-    float *ms = ps + G * kAttnTile, *ls = ms + G, *as = ls + G;
-    const int tid = int(threadIdx.x), warp = tid / kWarp, lane = tid % kWarp;
-    const int64_t t = blockIdx.x;
-    const int kvh = int(blockIdx.y), split = int(blockIdx.z);
-    const int64_t n_kv = a.pos0 + t + 1;  // causal: this token sees keys [0, n_kv)
+    float *stage = sm, *qs = sm + S::BIG, *ps = qs + RP * HD, *al = ps + T * PP, *ml = al + RP, *ll = ml + RP;
+    int64_t *lim = reinterpret_cast<int64_t *>(ll + RP);  // 8-byte aligned: every part above is a multiple of 8 B
+    const int tid = int(threadIdx.x);
+    const int G = a.group, kvh = int(blockIdx.y), split = int(blockIdx.z);
+    const int64_t t0 = int64_t(blockIdx.x) * a.tok_per_block;
+    const int64_t n_tok_blk = min(int64_t(a.tok_per_block), a.n_tok - t0);
+    const int rows = int(n_tok_blk) * G;  // valid rows; row r is token t0 + r / G, head kvh * G + r % G
     const int64_t k_begin = int64_t(split) * a.split_len;
-    const int64_t k_end = min(n_kv, k_begin + a.split_len);
+    const int64_t k_end = min(a.pos0 + t0 + n_tok_blk, k_begin + a.split_len);  // causal bound of the last row
+    const int64_t n_tiles = k_end > k_begin ? ceil_div(k_end - k_begin, T) : 0;
     const int64_t kv_stride = a.n_head_kv * HD;  // floats from one position to the next
-    const int64_t h0 = int64_t(kvh) * G;         // first query head of the group
 
-    const float *qt = a.q + (t * a.n_head + h0) * HD;
-    for (int i = tid; i < G * HD; i += kAttnThreads) qs[i] = qt[i] * a.scale;
-    for (int g = tid; g < G; g += kAttnThreads) {
-        ms[g] = -INFINITY;
-        ls[g] = 0.0f;
+    // K and V tile: n_keys rows from position k0 into stage buffer `buf`, 16 bytes per copy.
+    auto load_tile = [&](int64_t k0, int n_keys, int buf) {
+        float4 *kd = reinterpret_cast<float4 *>(stage + buf * S::STAGE), *vd = kd + T * C;
+        for (int e = tid; e < n_keys * C; e += kAttnThreads) {
+            const int k = e / C, c = e % C;
+            const int64_t off = (k0 + k) * kv_stride + int64_t(kvh) * HD + 4 * c;
+            cp_async_16(kd + k_slot<C>(k, c), a.k + off);
+            cp_async_16(vd + k * C + c, a.v + off);
+        }
+        cp_async_commit();
+    };
+    if (n_tiles > 0) load_tile(k_begin, int(min(int64_t(T), k_end - k_begin)), 0);
+
+    // Q rows, pre-scaled (zero for padding rows), and each row's causal limit.
+    for (int e = tid; e < RP * C; e += kAttnThreads) {
+        const int r = e / C, c = e % C;
+        float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (r < rows) {
+            const int64_t row = (t0 + r / G) * a.n_head + int64_t(kvh) * G + r % G;
+            v = reinterpret_cast<const float4 *>(a.q + row * HD)[c];
+            v.x *= a.scale, v.y *= a.scale, v.z *= a.scale, v.w *= a.scale;
+        }
+        reinterpret_cast<float4 *>(qs)[e] = v;
     }
-    constexpr int kElems = kAttnMaxGroup * HD / kAttnThreads;  // output elements per thread, at most
-    float acc[kElems];
+    if (tid < RP) lim[tid] = tid < rows ? a.pos0 + t0 + tid / G + 1 : 0;
+
+    const int srow = tid / S::TPR, skk = tid % S::TPR;  // softmax: row and lane within the row's group
+    float m_run = -INFINITY, l_run = 0.0f;
+    const int pc = tid % C, pkg = tid / C;  // P.V: float4 column and key group
+    float4 acc[RP];
 #pragma unroll
-    for (int j = 0; j < kElems; ++j) acc[j] = 0.0f;
+    for (int r = 0; r < RP; ++r) acc[r] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+
+    for (int64_t it = 0; it < n_tiles; ++it) {
+        const int64_t k0 = k_begin + it * T;
+        const int n_keys = int(min(int64_t(T), k_end - k0));
+        const bool more = it + 1 < n_tiles;
+        if (more) load_tile(k0 + T, int(min(int64_t(T), k_end - k0 - T)), int((it + 1) & 1));
+        if (more) cp_async_wait<1>();
+        else cp_async_wait<0>();
+        __syncthreads();  // tile `it` (and on the first pass Q and the limits) visible to all
+        const float4 *ks = reinterpret_cast<const float4 *>(stage + (it & 1) * S::STAGE), *vs = ks + T * C;
+
+        // Scores S[k][r] = q_r . k_k, masked to -inf past the split or the row's causal limit.
+        {
+            const int j = tid % LPK, kslot = tid / LPK;
+            float s[KPT][RP];
+#pragma unroll
+            for (int u = 0; u < KPT; ++u)
+#pragma unroll
+                for (int r = 0; r < RP; ++r) s[u][r] = 0.0f;
+            const float4 *q4 = reinterpret_cast<const float4 *>(qs);
+#pragma unroll
+            for (int i = 0; i < S::CPL; ++i) {
+                const int c = i * LPK + j;
+                float4 kv[KPT];
+#pragma unroll
+                for (int u = 0; u < KPT; ++u) kv[u] = ks[k_slot<C>(kslot + u * S::KSLOTS, c)];
+#pragma unroll
+                for (int r = 0; r < RP; ++r) {
+                    const float4 qv = q4[r * C + c];
+#pragma unroll
+                    for (int u = 0; u < KPT; ++u) {
+                        s[u][r] = fmaf(qv.x, kv[u].x, s[u][r]);
+                        s[u][r] = fmaf(qv.y, kv[u].y, s[u][r]);
+                        s[u][r] = fmaf(qv.z, kv[u].z, s[u][r]);
+                        s[u][r] = fmaf(qv.w, kv[u].w, s[u][r]);
+                    }
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < KPT; ++u) {
+                int base = 0;
+                reduce_key_lanes<RP, RP, 1, LPK>(s[u], j, base);
+                const int k = kslot + u * S::KSLOTS;
+#pragma unroll
+                for (int i = 0; i < S::NF; ++i) {
+                    const int r = base + i;
+                    ps[k * PP + r] = k < n_keys && k0 + k < lim[r] ? s[u][i] : -INFINITY;
+                }
+            }
+        }
+        __syncthreads();
+
+        // Online softmax per row: new running max, P = exp(S - max) in place, rescale factor alpha.
+        {
+            float mx = -INFINITY;
+            for (int k = skk; k < T; k += S::TPR) mx = fmaxf(mx, ps[k * PP + srow]);
+#pragma unroll
+            for (int o = S::TPR / 2; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+            const float m_new = fmaxf(m_run, mx);
+            const bool none = m_new == -INFINITY;  // no key of this row yet: P = 0, nothing to rescale
+            const float alpha = none ? 1.0f : expf(m_run - m_new);
+            float sum = 0.0f;
+            for (int k = skk; k < T; k += S::TPR) {
+                const float p = none ? 0.0f : expf(ps[k * PP + srow] - m_new);
+                ps[k * PP + srow] = p;
+                sum += p;
+            }
+#pragma unroll
+            for (int o = S::TPR / 2; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+            l_run = l_run * alpha + sum;
+            m_run = m_new;
+            if (skk == 0) al[srow] = alpha;
+        }
+        __syncthreads();
+
+        // O = O * alpha + P V over this thread's keys.
+        {
+#pragma unroll
+            for (int r = 0; r < RP; ++r) {
+                const float f = al[r];
+                acc[r].x *= f, acc[r].y *= f, acc[r].z *= f, acc[r].w *= f;
+            }
+            for (int k = pkg; k < n_keys; k += S::KG) {
+                const float4 v = vs[k * C + pc];
+                const float4 *p4 = reinterpret_cast<const float4 *>(ps + k * PP);
+#pragma unroll
+                for (int q = 0; q < RP / 4; ++q) {
+                    const float4 p = p4[q];
+                    const float pr[4] = {p.x, p.y, p.z, p.w};
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        float4 &o = acc[4 * q + i];
+                        o.x = fmaf(pr[i], v.x, o.x), o.y = fmaf(pr[i], v.y, o.y);
+                        o.z = fmaf(pr[i], v.z, o.z), o.w = fmaf(pr[i], v.w, o.w);
+                    }
+                }
+            }
+        }
+        __syncthreads();  // the next tile overwrites P and alpha, and its copies refill this stage
+    }
+
+    // Sum the key groups' partial outputs (the stage buffers are free now), then write.
     __syncthreads();
-
-    for (int64_t k0 = k_begin; k0 < k_end; k0 += kAttnTile) {
-        const int n_keys = int(min(int64_t(kAttnTile), k_end - k0));
-        constexpr int kVecs = HD / 4;
-        for (int i = tid; i < n_keys * kVecs; i += kAttnThreads) {
-            const int r = i / kVecs, c = i % kVecs;
-            const int64_t off = (k0 + r) * kv_stride + int64_t(kvh) * HD + c * 4;
-            const float4 kv = __ldg(reinterpret_cast<const float4 *>(a.k + off));
-            const float4 vv = __ldg(reinterpret_cast<const float4 *>(a.v + off));
-            float *kd = ks + r * (HD + 1) + c * 4;
-            kd[0] = kv.x, kd[1] = kv.y, kd[2] = kv.z, kd[3] = kv.w;
-            reinterpret_cast<float4 *>(vs + r * HD)[c] = vv;
-        }
-        __syncthreads();
-
-        for (int g = warp; g < G; g += kAttnWarps) {
-            float s = -INFINITY;
-            if (lane < n_keys) {
-                const float *qg = qs + g * HD, *kr = ks + lane * (HD + 1);
-                float d = 0.0f;
-#pragma unroll 16
-                for (int i = 0; i < HD; ++i) d = fmaf(qg[i], kr[i], d);
-                s = d;
-            }
-            const float m_old = ms[g];
-            const float m_new = fmaxf(m_old, warp_max(s));
-            const float p = lane < n_keys ? expf(s - m_new) : 0.0f;
-            const float alpha = expf(m_old - m_new);  // 0 on the first tile (m_old = -inf)
-            const float l_new = ls[g] * alpha + warp_sum(p);
-            ps[g * kAttnTile + lane] = p;
-            __syncwarp();  // every lane has read ms[g], ls[g] before lane 0 replaces them
-            if (lane == 0) {
-                ms[g] = m_new;
-                ls[g] = l_new;
-                as[g] = alpha;
-            }
-        }
-        __syncthreads();
-
-        // O = O * alpha + P V; key-outer so that elements of one column share their V load.
+    float4 *red = reinterpret_cast<float4 *>(stage);
 #pragma unroll
-        for (int j = 0; j < kElems; ++j) {
-            const int e = tid + j * kAttnThreads;
-            if (e < G * HD) acc[j] *= as[e / HD];
+    for (int r = 0; r < RP; ++r) red[(pkg * RP + r) * C + pc] = acc[r];
+    if (skk == 0) ml[srow] = m_run, ll[srow] = l_run;
+    __syncthreads();
+    for (int e = tid; e < RP * C; e += kAttnThreads) {
+        const int r = e / C, c = e % C;
+        if (r >= rows) continue;
+        float4 o = red[r * C + c];
+        for (int g = 1; g < S::KG; ++g) {
+            const float4 x = red[(g * RP + r) * C + c];
+            o.x += x.x, o.y += x.y, o.z += x.z, o.w += x.w;
         }
-        for (int r = 0; r < n_keys; ++r) {
-#pragma unroll
-            for (int j = 0; j < kElems; ++j) {
-                const int e = tid + j * kAttnThreads;
-                if (e < G * HD) acc[j] = fmaf(ps[(e / HD) * kAttnTile + r], vs[r * HD + e % HD], acc[j]);
-            }
+        const int64_t row = (t0 + r / G) * a.n_head + int64_t(kvh) * G + r % G;  // t * n_head + h
+        if (a.n_split == 1) {
+            const float inv = 1.0f / ll[r];
+            o.x *= inv, o.y *= inv, o.z *= inv, o.w *= inv;
+            reinterpret_cast<float4 *>(a.out + row * HD)[c] = o;
+        } else {
+            const int64_t prow = int64_t(split) * a.n_tok * a.n_head + row;
+            reinterpret_cast<float4 *>(a.part_o + prow * HD)[c] = o;
+            if (c == 0) a.part_ml[prow * 2] = ml[r], a.part_ml[prow * 2 + 1] = ll[r];
         }
-        __syncthreads();  // the next tile overwrites K, V, P and the rescale factors
-    }
-
-    if (a.n_split == 1) {
-#pragma unroll
-        for (int j = 0; j < kElems; ++j) {
-            const int e = tid + j * kAttnThreads;
-            if (e < G * HD) a.out[(t * a.n_head + h0) * HD + e] = acc[j] / ls[e / HD];
-        }
-        return;
-    }
-    const int64_t base = (int64_t(split) * a.n_tok + t) * a.n_head + h0;  // partial of head h0
-#pragma unroll
-    for (int j = 0; j < kElems; ++j) {
-        const int e = tid + j * kAttnThreads;
-        if (e < G * HD) a.part_o[base * HD + e] = acc[j];
-    }
-    for (int g = tid; g < G; g += kAttnThreads) {
-        a.part_ml[(base + g) * 2] = ms[g];
-        a.part_ml[(base + g) * 2 + 1] = ls[g];
     }
 }
 
-// Merges the splits of one (token, head): out = sum_s o_s e^(m_s - M) / sum_s l_s e^(m_s - M).
-// One thread per element of head_dim; splits that saw no key (m = -inf, l = 0) weigh 0.
-__global__ void attention_merge_kernel(const float *__restrict__ part_o, const float *__restrict__ part_ml,
-                                       int64_t n_tok, int64_t n_head, int hd, int n_split, float *out) {
+// Merges the splits of one (token, head): out = sum_s o_s e^(m_s - M) / sum_s l_s e^(m_s - M). Warp 0
+// turns the splits' (m, l) into weights; then one thread per element of head_dim sums the partials.
+// Splits that saw no key (m = -inf, l = 0, o = 0) weigh 0; split 0 always holds key 0, so M is finite.
+__global__ void __launch_bounds__(256) attention_merge_kernel(const float *__restrict__ part_o,
+                                                              const float *__restrict__ part_ml, int64_t n_tok,
+                                                              int64_t n_head, int hd, int n_split, float *out) {
+    static_assert(kAttnMaxSplits <= 2 * kWarp);
+    __shared__ float w[kAttnMaxSplits];
     const int64_t th = int64_t(blockIdx.x);  // t * n_head + h
-    const int d = int(threadIdx.x);
     const int64_t stride = n_tok * n_head;   // from one split's partial to the next
-    float mx = -INFINITY;
-    for (int s = 0; s < n_split; ++s) mx = fmaxf(mx, part_ml[(s * stride + th) * 2]);
-    float l = 0.0f, o = 0.0f;
-    for (int s = 0; s < n_split; ++s) {
-        const float m = part_ml[(s * stride + th) * 2];
-        if (m == -INFINITY) continue;
-        const float w = expf(m - mx);
-        l += part_ml[(s * stride + th) * 2 + 1] * w;
-        o += part_o[(s * stride + th) * hd + d] * w;
+    if (threadIdx.x < kWarp) {
+        const int s0 = int(threadIdx.x), s1 = s0 + kWarp;
+        const float m0 = s0 < n_split ? part_ml[(s0 * stride + th) * 2] : -INFINITY;
+        const float m1 = s1 < n_split ? part_ml[(s1 * stride + th) * 2] : -INFINITY;
+        const float mx = warp_max(fmaxf(m0, m1));
+        const float w0 = m0 == -INFINITY ? 0.0f : expf(m0 - mx) * part_ml[(s0 * stride + th) * 2 + 1];
+        const float w1 = m1 == -INFINITY ? 0.0f : expf(m1 - mx) * part_ml[(s1 * stride + th) * 2 + 1];
+        const float l = warp_sum(w0 + w1);
+        if (s0 < n_split) w[s0] = m0 == -INFINITY ? 0.0f : expf(m0 - mx) / l;
+        if (s1 < n_split) w[s1] = m1 == -INFINITY ? 0.0f : expf(m1 - mx) / l;
     }
-    out[th * hd + d] = o / l;
-}
-
-struct SplitPlan {
-    int n_split = 1;
-    int64_t split_len = 0;
-};
-
-// Splits the keys when (token, KV head) blocks alone would fill less than two waves of the GPU.
-SplitPlan plan_splits(int64_t n_tok, int64_t pos0, int64_t n_head_kv) {
-    const int64_t n_kv = pos0 + n_tok, blocks = n_tok * n_head_kv, want = 2 * int64_t(sm_count());
-    int64_t n = 1;
-    if (blocks < want) n = ceil_div(want, blocks);
-    const int64_t by_keys = ceil_div(n_kv, kAttnMinSplitKeys);
-    n = n < by_keys ? n : by_keys;
-    n = n < kAttnMaxSplits ? n : kAttnMaxSplits;
-    SplitPlan p;
-    p.split_len = ceil_div(ceil_div(n_kv, n), kAttnTile) * kAttnTile;
-    p.n_split = int(ceil_div(n_kv, p.split_len));
-    return p;
+    __syncthreads();
+    const int d = int(threadIdx.x);
+    if (d >= hd) return;
+    float o = 0.0f;
+#pragma unroll 8
+    for (int s = 0; s < n_split; ++s) o = fmaf(w[s], part_o[(s * stride + th) * hd + d], o);
+    out[th * hd + d] = o;
 }
 
 size_t split_bytes(int n_split, int64_t n_tok, int64_t n_head, int64_t head_dim) {
@@ -184,19 +315,56 @@ size_t split_bytes(int n_split, int64_t n_tok, int64_t n_head, int64_t head_dim)
            align_256(sizeof(float) * per * size_t(n_split) * 2);
 }
 
-template <int HD>
+struct SplitPlan {
+    int n_split = 1;
+    int64_t split_len = 0;
+};
+
+// Splits the keys when the (row block, KV head) blocks alone would fill less than two waves of the GPU:
+// enough splits for two waves, at least one tile each, at most kAttnMaxSplits, and no more than fit in
+// `ws_bytes` (SIZE_MAX: no limit).
+SplitPlan plan_splits(int64_t n_tok, int64_t pos0, int64_t n_head, int64_t n_head_kv, int64_t head_dim,
+                      size_t ws_bytes) {
+    const int64_t group = n_head / n_head_kv, tile = attn_tile(head_dim);
+    const int64_t tok_per_block = attn_rows(n_tok * group) / group;
+    const int64_t n_kv = pos0 + n_tok, blocks = ceil_div(n_tok, tok_per_block) * n_head_kv;
+    const int64_t want = 2 * int64_t(sm_count());
+    int64_t n = blocks < want ? ceil_div(want, blocks) : 1;
+    n = std::min({n, ceil_div(n_kv, tile), int64_t(kAttnMaxSplits)});
+    while (n > 1 && split_bytes(int(n), n_tok, n_head, head_dim) > ws_bytes) --n;  // the plan's own count is <= n
+    SplitPlan p;
+    p.split_len = ceil_div(ceil_div(n_kv, n), tile) * tile;
+    p.n_split = int(ceil_div(n_kv, p.split_len));
+    return p;
+}
+
+template <int HD, int RP>
 void launch_attention(const AttnArgs &a, cudaStream_t stream) {
-    const size_t smem = attn_smem_bytes(HD, a.group);
-    if (smem > 48 * 1024)
-        CUDA_CHECK(cudaFuncSetAttribute(attention_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-    const dim3 grid(unsigned(a.n_tok), unsigned(a.n_head_kv), unsigned(a.n_split));
-    attention_kernel<HD><<<grid, kAttnThreads, smem, stream>>>(a);
+    constexpr size_t smem = AttnShape<HD, RP>::smem_bytes();
+    if constexpr (smem > 48 * 1024) raise_dynamic_smem(reinterpret_cast<const void *>(attention_kernel<HD, RP>), smem);
+    const dim3 grid(unsigned(ceil_div(a.n_tok, a.tok_per_block)), unsigned(a.n_head_kv), unsigned(a.n_split));
+    attention_kernel<HD, RP><<<grid, kAttnThreads, smem, stream>>>(a);
+}
+
+template <int HD>
+void launch_attention_rows(const AttnArgs &a, cudaStream_t stream) {
+    switch (attn_rows(a.n_tok * a.group)) {
+    case 4: launch_attention<HD, 4>(a, stream); break;
+    case 8: launch_attention<HD, 8>(a, stream); break;
+    default: launch_attention<HD, kAttnMaxRows>(a, stream); break;
+    }
 }
 
 } // namespace
 
 size_t attention_workspace_bytes(int64_t n_tok, int64_t pos0, int64_t n_head, int64_t n_head_kv, int64_t head_dim) {
-    return split_bytes(plan_splits(n_tok, pos0, n_head_kv).n_split, n_tok, n_head, head_dim);
+    if (n_tok <= 0 || n_head_kv < 1 || n_head % n_head_kv != 0 || n_head / n_head_kv > kAttnMaxGroup) return 0;
+    switch (head_dim) {
+    case 16: case 32: case 64: case 128: case 256: break;
+    default: return 0;
+    }
+    return split_bytes(plan_splits(n_tok, pos0, n_head, n_head_kv, head_dim, SIZE_MAX).n_split, n_tok, n_head,
+                       head_dim);
 }
 
 void attention(const float *q, const float *k_cache, const float *v_cache, int64_t n_tok, int64_t pos0, int64_t n_head,
@@ -212,11 +380,17 @@ void attention(const float *q, const float *k_cache, const float *v_cache, int64
                           static_cast<const void *>(v_cache), static_cast<const void *>(out)})
         CUDA_ASSERT(reinterpret_cast<uintptr_t>(p) % 16 == 0);
     if (n_tok == 0) return;
+    if (head_dim != 16 && head_dim != 32 && head_dim != 64 && head_dim != 128 && head_dim != 256) {
+        char msg[96];
+        std::snprintf(msg, sizeof msg, "attention: head_dim %lld has no kernel (16, 32, 64, 128, 256)",
+                      (long long)head_dim);
+        cuda_unsupported(msg);
+    }
 
-    SplitPlan plan = plan_splits(n_tok, pos0, n_head_kv);
-    if (ws.bytes < split_bytes(plan.n_split, n_tok, n_head, head_dim)) plan = SplitPlan{1, pos0 + n_tok};
-    AttnArgs a{q, k_cache, v_cache, out, nullptr, nullptr, n_tok, pos0, n_head, n_head_kv,
-               plan.split_len, int(n_head / n_head_kv), plan.n_split, scale};
+    const int group = int(n_head / n_head_kv);
+    const SplitPlan plan = plan_splits(n_tok, pos0, n_head, n_head_kv, head_dim, ws.ptr != nullptr ? ws.bytes : 0);
+    AttnArgs a{q, k_cache, v_cache, out, nullptr, nullptr, n_tok, pos0, n_head, n_head_kv, plan.split_len, group,
+               attn_rows(n_tok * group) / group, plan.n_split, scale};
     if (plan.n_split > 1) {
         a.part_o = static_cast<float *>(ws.ptr);
         a.part_ml = reinterpret_cast<float *>(static_cast<uint8_t *>(ws.ptr) +
@@ -224,20 +398,14 @@ void attention(const float *q, const float *k_cache, const float *v_cache, int64
                                                         size_t(head_dim)));
     }
     switch (head_dim) {
-    case 16: launch_attention<16>(a, stream); break;
-    case 32: launch_attention<32>(a, stream); break;
-    case 64: launch_attention<64>(a, stream); break;
-    case 128: launch_attention<128>(a, stream); break;
-    case 256: launch_attention<256>(a, stream); break;
-    default: {
-        char msg[96];
-        std::snprintf(msg, sizeof msg, "attention: head_dim %lld has no kernel (16, 32, 64, 128, 256)",
-                      (long long)head_dim);
-        cuda_unsupported(msg);
-    }
+    case 16: launch_attention_rows<16>(a, stream); break;
+    case 32: launch_attention_rows<32>(a, stream); break;
+    case 64: launch_attention_rows<64>(a, stream); break;
+    case 128: launch_attention_rows<128>(a, stream); break;
+    default: launch_attention_rows<256>(a, stream); break;
     }
     if (plan.n_split > 1)
-        attention_merge_kernel<<<unsigned(n_tok * n_head), unsigned(head_dim), 0, stream>>>(
+        attention_merge_kernel<<<unsigned(n_tok * n_head), unsigned(head_dim < kWarp ? kWarp : head_dim), 0, stream>>>(
             a.part_o, a.part_ml, n_tok, n_head, int(head_dim), plan.n_split, out);
     launch_check("attention", stream);
 }

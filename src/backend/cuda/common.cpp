@@ -9,6 +9,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <atomic>
+#include <mutex>
+#include <tuple>
+#include <vector>
 
 namespace prescope::cuda {
 
@@ -86,6 +89,23 @@ int sm_count() {
         cached[size_t(dev)].store(n);
     }
     return n;
+}
+
+void raise_dynamic_smem(const void *kernel, size_t bytes) {
+    static std::mutex mu;
+    static std::vector<std::tuple<int, const void *, size_t>> raised;  // (device, kernel, bytes allowed)
+    const int dev = current_device();
+    const std::lock_guard<std::mutex> lock(mu);
+    for (auto &[d, k, b] : raised) {
+        if (d != dev || k != kernel) continue;
+        if (b < bytes) {
+            CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+            b = bytes;
+        }
+        return;
+    }
+    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+    raised.emplace_back(dev, kernel, bytes);
 }
 
 } // namespace prescope::cuda

@@ -48,6 +48,11 @@ cublasHandle_t cublas_handle();
 /// Multiprocessors of the current device (cached per device).
 int sm_count();
 
+/// Lets `kernel` (a __global__ function) use `bytes` of dynamic shared memory on the current device
+/// (cudaFuncSetAttribute, needed above 48 KB). Calls the runtime only the first time a kernel needs more
+/// on a device, so launchers may call it on every launch.
+void raise_dynamic_smem(const void *kernel, size_t bytes);
+
 /// Device scratch memory handed to a launcher: valid for `bytes` bytes, aligned to 256 bytes, used
 /// in stream order on the launcher's stream (so it may be reused by the next launch on that stream).
 /// Launchers that need scratch have a *_workspace_bytes() twin giving the size.
