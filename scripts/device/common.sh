@@ -32,20 +32,33 @@ run_bin() {
     if [ -n "$RUN_LIBS" ]; then LD_LIBRARY_PATH=$RUN_LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} "$@"; else "$@"; fi
 }
 
-# Configures (CUDA on, sm_90) and builds the given targets in build dir $1; logs in $OUT.
+# Says which -dev packages the CMake configuration needs and this machine lacks, with the fix.
+check_deps() {
+    local missing=() m
+    for m in libpcre2-8:libpcre2-dev libzstd:libzstd-dev libutf8proc:libutf8proc-dev; do
+        pkg-config --exists "${m%%:*}" 2> /dev/null || missing+=("${m##*:}")
+    done
+    [ ${#missing[@]} -eq 0 ] && return 0
+    say "missing: ${missing[*]} (CMake will stop at pkg_check_modules)."
+    say "  fix: here, mkdir -p .carry/debs && cd .carry/debs && apt-get download ${missing[*]}"
+    say "  (plus libpcre2-posix3 for libpcre2-dev), carry .carry, run again"
+}
+
+# Configures (CUDA on, sm_90) and builds the given targets in build dir $1; logs configure.log and build.log
+# in $LOG (default $OUT).
 build_prescope() {
-    local build=$1
+    local build=$1 log=${LOG:-$OUT}
     shift
     if ! timeout 240 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DPRESCOPE_CUDA=ON \
-            -DPRESCOPE_CUDA_ARCHS=90 > "$OUT/configure.log" 2>&1; then
+            -DPRESCOPE_CUDA_ARCHS=90 > "$log/configure.log" 2>&1; then
         say "FAIL configure (configure.log):"
-        grep -E -A3 "CMake Error|No package|Could NOT find|Could not find" "$OUT/configure.log" | head -20 |
+        grep -E -A3 "CMake Error|No package|Could NOT find|Could not find" "$log/configure.log" | head -20 |
             tee -a "$OUT/summary.txt"
         return 1
     fi
-    if ! timeout 600 ninja -C "$build" -j"$(nproc)" "$@" > "$OUT/build.log" 2>&1; then
+    if ! timeout 600 ninja -C "$build" -j"$(nproc)" "$@" > "$log/build.log" 2>&1; then
         say "FAIL build (build.log):"
-        grep -E "error|FAILED" "$OUT/build.log" | head -20 | tee -a "$OUT/summary.txt"
+        grep -E "error|FAILED" "$log/build.log" | head -20 | tee -a "$OUT/summary.txt"
         return 1
     fi
 }

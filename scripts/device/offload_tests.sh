@@ -18,9 +18,7 @@ cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/offload-out}
 BUILD=${PRESCOPE_GPU_BUILD:-build-gpu}
 DEB_DIR=${PRESCOPE_DEB_DIR:-.carry/debs}
-JOBS=$(nproc)
 BIG=0
-RUN_LIBS=""
 for a in "$@"; do
     case $a in
     --big) BIG=1 ;;
@@ -45,53 +43,12 @@ RC=0
 say "GPU: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo none)"
 say "locked-memory limit (ulimit -l): $(ulimit -l) (page-locking the experts needs it large or unlimited)"
 
-# --- carried Debian packages (pcre2, zstd, utf8proc -dev headers may be missing there) -------------------
-if compgen -G "$DEB_DIR/*.deb" > /dev/null; then
-    ROOT=/tmp/prescope-debroot
-    mkdir -p "$ROOT"
-    for f in "$DEB_DIR"/*.deb; do dpkg-deb -x "$f" "$ROOT"; done
-    LIBDIR=$ROOT/usr/lib/x86_64-linux-gnu
-    find "$ROOT" -name '*.pc' -exec sed -i "s|^prefix=/usr\$|prefix=$ROOT/usr|" {} +
-    for l in "$LIBDIR"/*.so; do  # a -dev symlink whose runtime package was not carried: use the machine's
-        [ -L "$l" ] && [ ! -e "$l" ] || continue
-        soname=$(basename "$(readlink "$l")" | sed -E 's/^(lib[^.]+\.so\.[0-9]+).*/\1/')
-        sys=$(ls /usr/lib/x86_64-linux-gnu/"$soname"* 2> /dev/null | head -1)
-        [ -n "$sys" ] && ln -sf "$sys" "$l"
-    done
-    export PKG_CONFIG_PATH=$LIBDIR/pkgconfig:$ROOT/usr/share/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}
-    export CMAKE_PREFIX_PATH=$ROOT/usr${CMAKE_PREFIX_PATH:+:$CMAKE_PREFIX_PATH}
-    export CPATH=$ROOT/usr/include${CPATH:+:$CPATH}
-    export LIBRARY_PATH=$LIBDIR${LIBRARY_PATH:+:$LIBRARY_PATH}
-    RUN_LIBS=$LIBDIR  # only our binaries load the carried runtime libraries; the machine's tools keep theirs
-    say "unpacked $(ls "$DEB_DIR"/*.deb | wc -l) carried packages into $ROOT"
-fi
-missing=()
-for m in libpcre2-8:libpcre2-dev libzstd:libzstd-dev libutf8proc:libutf8proc-dev; do
-    pkg-config --exists "${m%%:*}" 2> /dev/null || missing+=("${m##*:}")
-done
-if [ ${#missing[@]} -gt 0 ]; then
-    say "missing: ${missing[*]} (CMake will stop at pkg_check_modules)."
-    say "  fix: here, mkdir -p .carry/debs && cd .carry/debs && apt-get download ${missing[*]}"
-    say "  (plus libpcre2-posix3 for libpcre2-dev), carry .carry, run again"
-fi
-
-# --- build -----------------------------------------------------------------------------------------
-if ! timeout 240 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DPRESCOPE_CUDA=ON \
-        -DPRESCOPE_CUDA_ARCHS=90 > "$LOG/configure.log" 2>&1; then
-    say "FAIL configure (configure.log):"
-    grep -E -A3 "CMake Error|No package|Could NOT find" "$LOG/configure.log" | head -20 | tee -a "$OUT/summary.txt"
-    exit 1
-fi
-if ! timeout 420 ninja -C "$BUILD" -j"$JOBS" test-gpu prescope-cli > "$LOG/build.log" 2>&1; then
-    say "FAIL build (build.log):"
-    grep -E "error|FAILED" "$LOG/build.log" | head -20 | tee -a "$OUT/summary.txt"
-    exit 1
-fi
+source scripts/device/common.sh
+setup_carried_debs "$DEB_DIR"
+check_deps
+build_prescope "$BUILD" test-gpu prescope-cli || exit 1
 say "built test-gpu and prescope ($((SECONDS - T0)) s)"
 BIN=$BUILD/bin
-run_bin() {
-    if [ -n "$RUN_LIBS" ]; then LD_LIBRARY_PATH=$RUN_LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} "$@"; else "$@"; fi
-}
 
 # --- GPU tests -------------------------------------------------------------------------------------
 run_bin timeout 240 "$BIN/test-gpu" --gtest_output=xml:"$LOG/test-gpu.xml" > "$LOG/test-gpu.log" 2>&1
