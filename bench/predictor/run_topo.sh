@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# Trains and evaluates every expert predictor on held-out topo sequences and writes bench/results/predictors.json
-# (+ bench/results/predictors-recall-by-layer.png). Commands and results: docs/predictors.md.
+# Trains and evaluates every expert predictor on held-out topo sequences, then merges the results (with the demo
+# runs of run_demo.sh, when present) into bench/results/predictors.json and its recall-by-layer plot.
 #   bench/predictor/run_topo.sh            # B=build/bin/prescope, work files in /tmp/prescope-predictors
 # Needs traces/topo-test.pstrace, traces/topo-routers.safetensors and the uncommitted sidecar
-# traces/topo-test.hidden.zst (HIDDEN=... to point elsewhere). About 40 minutes on 2 busy cores.
+# traces/topo-test.hidden.zst (HIDDEN=... to point elsewhere). A predictor file already in the work folder is
+# reused (delete it to retrain). About 45 minutes on 2 busy cores. Commands and results: docs/predictors.md.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 B=${B:-build/bin/prescope}
 W=${WORK:-/tmp/prescope-predictors}
+DEMO=${DEMO_WORK:-/tmp/prescope-demo}
 T=traces/topo-test.pstrace
 P=traces/topo-prompts.pstrace
 HIDDEN=${HIDDEN:-traces/topo-test.hidden.zst}
@@ -16,25 +18,50 @@ H=3          # held out: sequences 2, 5, 8, ... (--holdout-every 3); the sidecar
 SLOTS=32     # hot-expert table replay: 32 of 128 experts per layer (25%), LRU
 mkdir -p "$W"
 
-# Training (train split only; every 10th training sequence is kept aside for model selection).
-$B train-predictor --trace $T --holdout-every $H --kind llapor-lstm --epochs 3 --out $W/lstm.pred
-$B train-predictor --trace $T --holdout-every $H --kind llapor-lstm --epochs 3 --groups 1 --out $W/lstm-1group.pred
-$B train-predictor --trace $T --hidden $HIDDEN --holdout-every $H --kind llapor-mlp --epochs 12 --lr 4e-3 \
-    --out $W/mlp.pred
-$B train-predictor --trace $T --hidden $HIDDEN --holdout-every $H --kind llapor-mlp --epochs 12 --lr 4e-3 \
-    --groups 1 --out $W/mlp-1group.pred
+# train NAME ARGS...: trains $W/NAME.pred on the train split unless it exists (every 10th training sequence, or
+# the last the sidecar covers, is kept aside for model selection).
+train() {
+    local name=$1
+    shift
+    [ -f "$W/$name.pred" ] || $B train-predictor --trace $T --holdout-every $H -t 1 "$@" --out "$W/$name.pred"
+}
+train lstm --kind llapor-lstm --epochs 3
+train lstm-1group --kind llapor-lstm --epochs 3 --groups 1
+train mlp --hidden $HIDDEN --kind llapor-mlp --epochs 12 --lr 4e-3
+train mlp-1group --hidden $HIDDEN --kind llapor-mlp --epochs 12 --lr 4e-3 --groups 1
+# The same network with the loss LLaPor-MLP-prior uses (each target against the non-targets): chosen with 24
+# epochs on the validation sequence (docs/predictors.md, "Small-data regime").
+train mlp-negloss --hidden $HIDDEN --kind llapor-mlp --epochs 24 --lr 4e-3 --loss negatives
+# LLaPor-MLP-prior (decision 0054): the routers of layers l+1..l+3 on the router input moved by a ridge-fitted
+# drift map (reading the previous token's router inputs in decode), plus an MLP correction kept only when it
+# beats the prior alone on validation. Ablations: no correction; drift from the current token only; no drift
+# (Fate's logits plus the correction); one group for all layers.
+PRIOR="--hidden $HIDDEN --routers $R --kind llapor-mlp-prior"
+CORR="--epochs 4 --lr 1e-3 --width 64 --weight-decay 1e-2 --dropout 0.3"  # the correction's settings (validation)
+train prior $PRIOR $CORR
+train prior-1group $PRIOR $CORR --groups 1
+train prior-alone $PRIOR --correction none
+train prior-current $PRIOR --correction none --drift current
+train prior-fate-mlp $PRIOR $CORR --drift none
 
 # 1. Every predictor on the held-out tokens the sidecar covers (the hidden-state predictors need them).
-for p in none frequency recency oracle fate $W/lstm.pred $W/lstm-1group.pred $W/mlp.pred $W/mlp-1group.pred; do
-    $B eval-predictor --trace $T --hidden $HIDDEN --routers $R --holdout-every $H --predictor $p \
-        --cache-slots $SLOTS --json $W/hidden-$(basename $p .pred).json
+for p in none frequency recency oracle fate lstm lstm-1group mlp mlp-1group mlp-negloss prior prior-1group \
+        prior-alone prior-current prior-fate-mlp; do
+    spec=$p
+    [ -f "$W/$p.pred" ] && spec=$W/$p.pred
+    label=()
+    [ $p = mlp-negloss ] && label=(--label llapor-mlp-negloss)
+    $B eval-predictor --trace $T --hidden $HIDDEN --routers $R --holdout-every $H --predictor $spec \
+        --cache-slots $SLOTS --json $W/hidden-$p.json "${label[@]}"
 done
 # 2. Routing-only predictors on every held-out token of topo-test, and on topo-prompts (other sources, unseen).
-for p in frequency oracle $W/lstm.pred $W/lstm-1group.pred; do
-    $B eval-predictor --trace $T --holdout-every $H --predictor $p --cache-slots $SLOTS \
-        --json $W/test-$(basename $p .pred).json
-    $B eval-predictor --trace $P --split all --groups $(python3 -c "import json,sys; g=json.load(open('$W/hidden-lstm.json'))['group_start']; print(f'{g[1]},{g[2]}')") \
-        --predictor $p --cache-slots $SLOTS --json $W/prompts-$(basename $p .pred).json
+GS=$(python3 -c "import json; g=json.load(open('$W/hidden-lstm.json'))['group_start']; print(f'{g[1]},{g[2]}')")
+for p in frequency oracle lstm lstm-1group; do
+    spec=$p
+    [ -f "$W/$p.pred" ] && spec=$W/$p.pred
+    $B eval-predictor --trace $T --holdout-every $H --predictor $spec --cache-slots $SLOTS --json $W/test-$p.json
+    $B eval-predictor --trace $P --split all --groups $GS --predictor $spec --cache-slots $SLOTS \
+        --json $W/prompts-$p.json
 done
 python3 bench/predictor/collect_results.py bench/results/predictors.json bench/results/predictors-recall-by-layer.png \
-    $W/hidden-*.json $W/test-*.json $W/prompts-*.json
+    $W/hidden-*.json $W/test-*.json $W/prompts-*.json $(ls $DEMO/eval-*.json 2>/dev/null || true)
