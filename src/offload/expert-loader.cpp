@@ -67,7 +67,7 @@ void ExpertLoader::begin_layer(LayerDecision &d) {
 double ExpertLoader::wait_experts(const LayerDecision &d, Stream compute) {
     double blocked_us = 0;
     for (const RoutedExpert &r : d.experts) {
-        if (r.action == ExpertAction::CPU) continue;
+        if (r.action == ExpertAction::CPU || r.action == ExpertAction::STREAM) continue;
         PRESCOPE_ASSERT(r.slot >= 0);
         Ticket t = cache_.ticket(r.slot);
         if (t.valid()) blocked_us += engine_.stream_wait(t, compute);

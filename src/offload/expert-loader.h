@@ -39,9 +39,11 @@ class ExpertLoader {
     void load_fixed();
     /// Acquires slots for d's HIT entries, then its FETCH entries (so a fetch never evicts a hit), queues
     /// the demand loads, promotes pending prefetches now needed, sets each GPU entry's slot, and counts the
-    /// CPU entries. Throws prescope::Error when the layer has fewer slots than GPU experts.
+    /// CPU entries. STREAM entries are left alone: the runtime hands them over later, as the FETCH entries
+    /// of a decision per wave, each after end_layer of the wave before. Throws prescope::Error when the
+    /// layer has fewer slots than GPU experts.
     void begin_layer(LayerDecision &d);
-    /// Makes `compute` wait (on the device) for every GPU expert of d. The host blocks only until their
+    /// Makes `compute` wait (on the device) for every HIT and FETCH expert of d. The host blocks only until their
     /// copies are issued; that time is added to the layer's stall counter. Returns it, microseconds.
     double wait_experts(const LayerDecision &d, Stream compute);
     /// Records the layer's compute event on `compute` and unpins the layer's slots.

@@ -29,7 +29,8 @@ int64_t parse_int(std::string_view value, int64_t lo, int64_t hi, std::string_vi
 
 const std::vector<std::string> &OffloadConfig::keys() {
     static const std::vector<std::string> k = {
-        "gpu_cache",        "cache_policy",       "cpu_threshold", "prefetch_window",  "prefetch_max_per_layer",
+        "gpu_cache",        "cache_policy",       "cpu_threshold", "stream_min_batch", "prefetch_window",
+        "prefetch_max_per_layer",
         "predict_max_tokens", "predictor",        "placement",     "routing_trace",    "gpu_device",
         "copy_chunk",       "copy_queue_depth",   "copy_bandwidth_cap"};
     return k;
@@ -48,6 +49,8 @@ void OffloadConfig::set(std::string_view key, std::string_view value, std::strin
         }
     } else if (key == "cpu_threshold") {
         cpu_threshold = int32_t(parse_int(value, 0, 1 << 30, source, key));
+    } else if (key == "stream_min_batch") {
+        stream_min_batch = int32_t(parse_int(value, 0, 1 << 30, source, key));
     } else if (key == "prefetch_window") {
         prefetch_window = int32_t(parse_int(value, 0, 64, source, key));
     } else if (key == "prefetch_max_per_layer") {
@@ -95,6 +98,7 @@ std::string OffloadConfig::get(std::string_view key) const {
     if (key == "gpu_cache") return gpu ? format_byte_size(gpu_cache_bytes) : "off (CPU only)";
     if (key == "cache_policy") return eviction_policy_name(cache_policy);
     if (key == "cpu_threshold") return std::to_string(cpu_threshold);
+    if (key == "stream_min_batch") return stream_min_batch ? std::to_string(stream_min_batch) : "0 (never)";
     if (key == "prefetch_window") return std::to_string(prefetch_window);
     if (key == "prefetch_max_per_layer") return prefetch_max_per_layer ? std::to_string(prefetch_max_per_layer) : "top_k";
     if (key == "predict_max_tokens") return std::to_string(predict_max_tokens);
@@ -124,6 +128,7 @@ nlohmann::json OffloadConfig::to_json() const {
     j["gpu_cache_bytes"] = gpu_cache_bytes;
     j["cache_policy"] = eviction_policy_name(cache_policy);
     j["cpu_threshold"] = cpu_threshold;
+    j["stream_min_batch"] = stream_min_batch;
     j["prefetch_window"] = prefetch_window;
     j["prefetch_max_per_layer"] = prefetch_max_per_layer;
     j["predict_max_tokens"] = predict_max_tokens;

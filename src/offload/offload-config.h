@@ -19,6 +19,8 @@ struct OffloadConfig {
     uint64_t gpu_cache_bytes = 0;      // gpu_cache: GPU memory for expert slots; 0 = every expert on the CPU
     EvictionPolicyKind cache_policy = EvictionPolicyKind::LRU;  // cache_policy: lru | lfu | arc
     int32_t cpu_threshold = 0;         // a missed expert runs on the CPU when fewer tokens chose it (0 = never)
+    int32_t stream_min_batch = 32;     // batches this large stream what finds no slot through the slots in
+                                       // waves instead of the CPU (0 = never; placement.h HybridRule)
     int32_t prefetch_window = 1;       // layers ahead the predictor prefetches for (0 = no prefetch)
     int32_t prefetch_max_per_layer = 0;  // new prefetch loads per predicted layer and step (0 = top_k)
     int64_t predict_max_tokens = 4;    // tokens of a batch the predictor sees (the last ones)

@@ -159,6 +159,7 @@ const char *expert_action_name(ExpertAction a) {
     case ExpertAction::HIT: return "hit";
     case ExpertAction::FETCH: return "fetch";
     case ExpertAction::CPU: return "cpu";
+    case ExpertAction::STREAM: return "stream";
     }
     return "?";
 }
@@ -171,8 +172,12 @@ void LayerDecision::reserve(int32_t n_experts) {
 
 std::string LayerDecision::describe() const {
     std::string out = fmt::format("layer {}:", layer);
-    for (ExpertAction a : {ExpertAction::HIT, ExpertAction::FETCH, ExpertAction::CPU}) {
-        int32_t n = a == ExpertAction::HIT ? n_hit : a == ExpertAction::FETCH ? n_fetch : n_cpu;
+    for (ExpertAction a : {ExpertAction::HIT, ExpertAction::FETCH, ExpertAction::STREAM, ExpertAction::CPU}) {
+        const int32_t n = a == ExpertAction::HIT     ? n_hit
+                          : a == ExpertAction::FETCH  ? n_fetch
+                          : a == ExpertAction::STREAM ? n_stream
+                                                      : n_cpu;
+        if (a == ExpertAction::STREAM && n == 0) continue;
         out += fmt::format(" {} {} [", expert_action_name(a), n);
         bool first = true;
         for (const RoutedExpert &r : experts) {
@@ -192,7 +197,7 @@ void decide_layer(int32_t layer, std::span<const int32_t> routed, const Placemen
     PRESCOPE_ASSERT(!cache || (cache->n_layers() == plan.n_layers && cache->n_experts() == E));
     out.layer = layer;
     out.experts.clear();
-    out.n_hit = out.n_fetch = out.n_cpu = out.n_demoted = 0;
+    out.n_hit = out.n_fetch = out.n_cpu = out.n_stream = out.n_demoted = 0;
     std::fill(out.tokens.begin(), out.tokens.end(), 0);
     for (int32_t id : routed) {
         PRESCOPE_ASSERT(id >= 0 && id < E);
@@ -226,14 +231,22 @@ void decide_layer(int32_t layer, std::span<const int32_t> routed, const Placemen
         const RoutedExpert &x = out.experts[size_t(a)], &y = out.experts[size_t(b)];
         return x.n_tokens != y.n_tokens ? x.n_tokens > y.n_tokens : x.expert < y.expert;
     });
+    // A big batch streams the rest through slots that earlier waves free; a small one runs it on the CPU.
+    const bool stream = cache && rule.stream_min_batch > 0 && cache->top_k() > 0 &&
+                        int64_t(routed.size()) >= int64_t(rule.stream_min_batch) * cache->top_k();
     for (int32_t i = std::max(room, 0); i < n_candidates; ++i) {
         int32_t idx = out.order[size_t(i)];
         if (forced(idx)) continue;
-        out.experts[size_t(idx)].action = ExpertAction::CPU;
-        ++out.n_demoted;
+        out.experts[size_t(idx)].action = stream ? ExpertAction::STREAM : ExpertAction::CPU;
+        if (!stream) ++out.n_demoted;
     }
     for (const RoutedExpert &r : out.experts) {
-        (r.action == ExpertAction::HIT ? out.n_hit : r.action == ExpertAction::FETCH ? out.n_fetch : out.n_cpu) += 1;
+        switch (r.action) {
+        case ExpertAction::HIT: ++out.n_hit; break;
+        case ExpertAction::FETCH: ++out.n_fetch; break;
+        case ExpertAction::STREAM: ++out.n_stream; break;
+        case ExpertAction::CPU: ++out.n_cpu; break;
+        }
     }
 }
 

@@ -76,6 +76,8 @@ enum class ExpertAction : uint8_t {
     HIT,    // resident in a GPU slot: run on the GPU
     FETCH,  // load on demand into a slot, then run on the GPU
     CPU,    // run on the CPU from host memory, beside the GPU's work
+    STREAM, // no slot free in this step: loaded into a slot that an earlier wave of the same layer frees,
+            // then run on the GPU (large batches: PCIe outruns the CPU on the layer's remaining experts)
 };
 const char *expert_action_name(ExpertAction a);
 
@@ -95,26 +97,31 @@ struct LayerDecision {
     std::vector<RoutedExpert> experts;    // unique routed experts, ascending id
     std::vector<int32_t> tokens;          // [n_experts] scratch: tokens routed to each expert
     std::vector<int32_t> order;           // [n_experts] scratch: fetch candidates by priority
-    int32_t n_hit = 0, n_fetch = 0, n_cpu = 0;
+    int32_t n_hit = 0, n_fetch = 0, n_cpu = 0, n_stream = 0;
     int32_t n_demoted = 0;                // AUTO experts sent to the CPU because the layer had no free slot
 
     void reserve(int32_t n_experts);
-    /// "layer 3: hit 5 [1 4 ...] fetch 2 [3:20 ...] cpu 1 [9:1]" (expert:tokens).
+    /// "layer 3: hit 5 [1 4 ...] fetch 2 [3:20 ...] cpu 1 [9:1]" (expert:tokens; "stream N [...]" before
+    /// "cpu" when there are STREAM entries).
     std::string describe() const;
 };
 
 /// The rule issue 4 asks for, until the scheduler replaces it: an expert not resident runs on the CPU when
 /// fewer than cpu_threshold tokens were routed to it, else it is fetched. 0 = never on the CPU.
+/// In batches of at least stream_min_batch tokens (prefill), fetches that find no free slot are streamed
+/// through the layer's slots in waves instead of running on the CPU (docs/decisions/0036); 0 = never.
 struct HybridRule {
     int32_t cpu_threshold = 0;
+    int32_t stream_min_batch = 32;
 };
 
 /// Fills `out` for one layer. routed: [n_tokens * top_k] expert ids from the router's top-k (any order).
 /// cache: the hot-expert table (read only), or null when there is no GPU cache (everything runs on CPU).
 /// Rules, in order: exec CPU -> CPU; resident -> HIT; exec GPU -> FETCH; exec AUTO -> FETCH if n_tokens >=
-/// cpu_threshold, else CPU. Fetches beyond the layer's free capacity (slots - fixed - non-fixed hits) go to
-/// the CPU, AUTO ones with the fewest tokens first (counted in n_demoted); exec GPU ones are never demoted,
-/// so too many of them make ExpertLoader::begin_layer fail loudly.
+/// cpu_threshold, else CPU. Fetches beyond the layer's free capacity (slots - fixed - non-fixed hits) become
+/// STREAM when the batch (routed.size() / top_k) has at least stream_min_batch tokens, else go to the CPU,
+/// AUTO ones with the fewest tokens first (counted in n_demoted); exec GPU ones are never demoted, so too
+/// many of them make ExpertLoader::begin_layer fail loudly.
 /// PRECONDITION: out.reserve(plan.n_experts) was called; ids are in [0, n_experts).
 void decide_layer(int32_t layer, std::span<const int32_t> routed, const PlacementPlan &plan,
                   const ExpertCache *cache, const HybridRule &rule, LayerDecision &out);

@@ -137,8 +137,10 @@ void GpuContext::init() {
     const int64_t nb = params_.n_batch, k = hp.n_expert_used, n_embd = hp.n_embd;
     const int64_t n_q = hp.n_head * hp.head_dim, n_kv = hp.n_head_kv * hp.head_dim;
     const int64_t pairs = nb * k;
+    // A layer's waves (at most one per expert) split the expert arrays between them: 5 more alignments each.
     meta_bytes_ = 3 * align_up(size_t(E) * sizeof(void *), 16) + align_up(size_t(E + 1) * 4, 16) +
-                  align_up(size_t(pairs) * 4, 16) + 2 * align_up(size_t(nb * (k + 1)) * 4, 16);
+                  align_up(size_t(pairs) * 4, 16) + 2 * align_up(size_t(nb * (k + 1)) * 4, 16) +
+                  size_t(E) * (4 + 5 * 16);
 
     // Workspace: the largest any op of a batch asks for (ops run in stream order and share it).
     size_t ws = 0;
@@ -246,6 +248,7 @@ void GpuContext::init() {
                                 &oracle_);
     HybridMoeConfig hc;
     hc.rule.cpu_threshold = config.cpu_threshold;
+    hc.rule.stream_min_batch = config.stream_min_batch;
     hc.prefetch_window = predictor_ && cache_->n_slots() > 0 ? config.prefetch_window : 0;
     hc.prefetch_max_per_layer = config.prefetch_max_per_layer;
     hc.predict_max_tokens = oracle_ ? 1 : predict_tokens;
@@ -507,15 +510,21 @@ void GpuContext::launch_gpu(const MoeStep &s) {
     const HParams &hp = model_.hp();
     const ExpertLayout &x = store_->layout(s.layer);
     const cudaStream_t st = stream();
-    // Pack the step's arrays into the pinned mirror; one host-to-device copy moves them.
-    size_t off = 0;
+    // Pack the wave's arrays into the pinned mirror; one host-to-device copy moves them. The waves of a layer
+    // fill consecutive parts of it (an earlier wave's copy may not have run yet); wave 0 starts over, since
+    // the host read the previous layer's routing, after its copies ran, before this layer began.
+    const size_t start = s.wave == 0 ? 0 : meta_used_;
+    size_t off = start;
     auto put = [&](const void *src, size_t bytes) {
         const size_t o = off;
         if (bytes) std::memcpy(meta_host_ + o, src, bytes);
         off = align_up(o + bytes, 16);
         return o;
     };
-    const size_t n_ptr = size_t(s.n_gpu) * sizeof(void *);
+    const int32_t n_gpu = s.wave_end - s.wave_begin;
+    const int32_t pair0 = s.gpu_offsets[size_t(s.wave_begin)];
+    const int64_t n_pairs = s.gpu_offsets[size_t(s.wave_end)] - pair0;
+    const size_t n_ptr = size_t(n_gpu) * sizeof(void *);
     const size_t o_gate = off;
     off = align_up(o_gate + n_ptr, 16);
     const size_t o_up = off;
@@ -525,47 +534,54 @@ void GpuContext::launch_gpu(const MoeStep &s) {
     auto *gate_w = reinterpret_cast<const void **>(meta_host_ + o_gate);
     auto *up_w = reinterpret_cast<const void **>(meta_host_ + o_up);
     auto *down_w = reinterpret_cast<const void **>(meta_host_ + o_down);
-    for (int32_t i = 0; i < s.n_gpu; ++i) {
-        const auto *slot = static_cast<const uint8_t *>(s.gpu_expert[size_t(i)]);
+    auto *offsets = reinterpret_cast<int32_t *>(meta_host_ + off);  // the wave's, from 0
+    const size_t o_off = off;
+    off = align_up(o_off + size_t(n_gpu + 1) * 4, 16);
+    for (int32_t i = 0; i < n_gpu; ++i) {
+        const auto *slot = static_cast<const uint8_t *>(s.gpu_expert[size_t(s.wave_begin + i)]);
         gate_w[i] = slot;
         up_w[i] = slot + x.up_offset;
         down_w[i] = slot + x.down_offset;
     }
-    const size_t o_off = put(s.gpu_offsets.data(), size_t(s.n_gpu + 1) * 4);
-    const size_t o_rows = put(s.gpu_rows.data(), size_t(s.n_gpu_pairs) * 4);
-    const size_t o_pid = put(s.pair_ids.data(), size_t(s.n_tok * s.k_comb) * 4);
-    const size_t o_w = put(s.weights.data(), size_t(s.n_tok * s.k_comb) * 4);
+    for (int32_t i = 0; i <= n_gpu; ++i) offsets[i] = s.gpu_offsets[size_t(s.wave_begin + i)] - pair0;
+    const size_t o_rows = put(s.gpu_rows.data() + pair0, size_t(n_pairs) * 4);
+    if (s.wave == 0) {
+        const size_t o_pid = put(s.pair_ids.data(), size_t(s.n_tok * s.k_comb) * 4);
+        const size_t o_w = put(s.weights.data(), size_t(s.n_tok * s.k_comb) * 4);
+        cur_pair_ids_dev_ = reinterpret_cast<const int32_t *>(meta_dev_ + o_pid);
+        cur_weights_dev_ = reinterpret_cast<const float *>(meta_dev_ + o_w);
+    }
     PRESCOPE_ASSERT(off <= meta_bytes_);
-    backend_->copy_h2d_async(meta_dev_, meta_host_, off, compute_);
-    cur_pair_ids_dev_ = reinterpret_cast<const int32_t *>(meta_dev_ + o_pid);
-    cur_weights_dev_ = reinterpret_cast<const float *>(meta_dev_ + o_w);
+    backend_->copy_h2d_async(meta_dev_ + start, meta_host_ + start, off - start, compute_);
+    meta_used_ = off;
 
-    if (s.n_gpu > 0) {
+    if (n_gpu > 0) {
+        float *gate = gate_ + int64_t(pair0) * x.n_ff, *up = up_ + int64_t(pair0) * x.n_ff;
         cuda::ExpertMatmul g;
-        g.n_expert = s.n_gpu;
+        g.n_expert = n_gpu;
         g.offsets_dev = reinterpret_cast<const int32_t *>(meta_dev_ + o_off);
-        g.offsets_host = reinterpret_cast<const int32_t *>(meta_host_ + o_off);
+        g.offsets_host = offsets;
         g.rows_dev = reinterpret_cast<const int32_t *>(meta_dev_ + o_rows);
         g.n_in = hp.n_embd;
         g.n_out = x.n_ff;
         g.type = x.gate_type;
         g.w_dev = reinterpret_cast<const void *const *>(meta_dev_ + o_gate);
         g.w_host = gate_w;
-        cuda::expert_matmul(g, cur_h_dev_, gate_, ws_, st);
+        cuda::expert_matmul(g, cur_h_dev_, gate, ws_, st);
         g.type = x.up_type;
         g.w_dev = reinterpret_cast<const void *const *>(meta_dev_ + o_up);
         g.w_host = up_w;
-        cuda::expert_matmul(g, cur_h_dev_, up_, ws_, st);
-        cuda::swiglu(gate_, up_, gate_, s.n_gpu_pairs * x.n_ff, st);
+        cuda::expert_matmul(g, cur_h_dev_, up, ws_, st);
+        cuda::swiglu(gate, up, gate, n_pairs * x.n_ff, st);
         g.type = x.down_type;
         g.n_in = x.n_ff;
         g.n_out = hp.n_embd;
         g.rows_dev = nullptr;  // the intermediates are already in pair order
         g.w_dev = reinterpret_cast<const void *const *>(meta_dev_ + o_down);
         g.w_host = down_w;
-        cuda::expert_matmul(g, gate_, pairs_, ws_, st);
+        cuda::expert_matmul(g, gate, pairs_ + int64_t(pair0) * hp.n_embd, ws_, st);
     }
-    if (s.k_comb > s.k) {
+    if (s.wave == 0 && s.k_comb > s.k) {
         const DevLayer &l = layers_[size_t(s.layer)];
         matmul(l.gate_shexp, cur_h_dev_, s.n_tok, sh_gate_);
         matmul(l.up_shexp, cur_h_dev_, s.n_tok, sh_up_);
@@ -601,9 +617,11 @@ std::string GpuContext::startup_text() const {
     out += cache_->describe() + "\n";
     out += plan_.summary();
     if (!out.ends_with('\n')) out += '\n';
-    out += fmt::format("predictor: {} (window {}) | cpu_threshold {} | copy engine: chunk {}, depth {}{}\n",
+    out += fmt::format("predictor: {} (window {}) | cpu_threshold {} | stream_min_batch {} | copy engine: chunk {}, "
+                       "depth {}{}\n",
                        predictor_ ? predictor_->name() : "none", predictor_ ? config_.prefetch_window : 0,
-                       config_.cpu_threshold, format_byte_size(config_.copy.chunk_bytes), config_.copy.queue_depth,
+                       config_.cpu_threshold, config_.stream_min_batch, format_byte_size(config_.copy.chunk_bytes),
+                       config_.copy.queue_depth,
                        config_.copy.bandwidth_cap_bytes_per_s > 0
                            ? fmt::format(", cap {:.2f} GB/s", config_.copy.bandwidth_cap_bytes_per_s / 1e9)
                            : std::string());
@@ -655,8 +673,10 @@ std::string GpuContext::stats_text() const {
                        format_byte_size(c.bytes_prefetch), c.achieved_gb_s(),
                        format_byte_size(tokens ? c.bytes_done / uint64_t(tokens) : 0), c.requests_done,
                        c.requests_cancelled, c.requests_promoted);
-    out += fmt::format("host: CPU experts {:.1f} ms, predictor and prefetch {:.1f} ms\n",
-                       (m.cpu_expert_us - moe_base_.cpu_expert_us) * 1e-3, (m.predict_us - moe_base_.predict_us) * 1e-3);
+    out += fmt::format("host: CPU experts {:.1f} ms, predictor and prefetch {:.1f} ms | streamed {} experts in {} "
+                       "waves\n",
+                       (m.cpu_expert_us - moe_base_.cpu_expert_us) * 1e-3, (m.predict_us - moe_base_.predict_us) * 1e-3,
+                       m.streamed - moe_base_.streamed, m.stream_waves - moe_base_.stream_waves);
     if (replay_) out += fmt::format("routing: {} tokens replayed from {}\n", replay_->tokens_replayed(), replay_->path());
     return out;
 }
@@ -681,6 +701,8 @@ nlohmann::json GpuContext::stats_json() const {
     j["device_stall_ms"] = (m.device_stall_us - moe_base_.device_stall_us) * 1e-3;
     j["cpu_expert_ms"] = (m.cpu_expert_us - moe_base_.cpu_expert_us) * 1e-3;
     j["predict_ms"] = (m.predict_us - moe_base_.predict_us) * 1e-3;
+    j["streamed_experts"] = m.streamed - moe_base_.streamed;
+    j["stream_waves"] = m.stream_waves - moe_base_.stream_waves;
     j["copy"] = {{"bytes_done", c.bytes_done},
                  {"bytes_demand", c.bytes_demand},
                  {"bytes_prefetch", c.bytes_prefetch},

@@ -133,6 +133,7 @@ class GpuContext final : public Engine, private MoeDevice {
     float *cpu_out_host_ = nullptr;  // [n_batch * top_k][n_embd]
     float *logits_host_ = nullptr;   // [kLogitRows][n_vocab]
     uint64_t meta_bytes_ = 0;
+    size_t meta_used_ = 0;  // end of the running layer's waves in meta_host_ / meta_dev_
     Routing routing_;
     // The layer being run: router input and combine arrays on the device.
     const float *cur_h_dev_ = nullptr;

@@ -1,4 +1,5 @@
-// HybridMoe: per-layer decision -> slots and copies -> GPU launch -> prefetch -> CPU experts -> combine.
+// HybridMoe: per-layer decision -> slots and copies -> GPU launch (wave 0) -> prefetch -> CPU experts ->
+// streamed waves (large batches) -> combine.
 #include "runtime/hybrid-moe.h"
 
 #include "core/error.h"
@@ -32,6 +33,8 @@ HybridMoe::HybridMoe(const Model &model, const ExpertStore &store, const Placeme
     if (config_.prefetch_max_per_layer <= 0) config_.prefetch_max_per_layer = int32_t(k);
 
     decision_.reserve(int32_t(E));
+    wave_.reserve(int32_t(E));
+    stream_index_.resize(E);
     step_.gpu_expert.resize(E);
     step_.gpu_offsets.resize(E + 1);
     step_.gpu_rows.resize(pairs);
@@ -74,23 +77,30 @@ void HybridMoe::build_step(int32_t layer, const Routing &r, std::span<const floa
     s.k_comb = kc;
     s.n_gpu = s.n_cpu = 0;
     s.gpu_offsets[0] = s.cpu_offsets[0] = 0;
-    // Experts in ascending id (decide_layer's order), GPU ones first in the pair buffer.
-    for (const RoutedExpert &x : decision_.experts) {
-        const auto e = size_t(x.expert);
-        if (x.action == ExpertAction::CPU) {
-            site_[e] = 2;
-            index_[e] = s.n_cpu;
-            s.cpu_expert[size_t(s.n_cpu)] = x.expert;
-            s.cpu_offsets[size_t(s.n_cpu) + 1] = s.cpu_offsets[size_t(s.n_cpu)] + x.n_tokens;
-            ++s.n_cpu;
-        } else {
-            PRESCOPE_ASSERT(loader_ && x.slot >= 0);
+    // Experts in ascending id (decide_layer's order), GPU ones first in the pair buffer: wave 0 (HIT, FETCH)
+    // before the STREAM experts, so that every wave is a contiguous run of experts and pairs.
+    for (const bool streamed : {false, true}) {
+        for (const RoutedExpert &x : decision_.experts) {
+            if (x.action == ExpertAction::CPU || (x.action == ExpertAction::STREAM) != streamed) continue;
+            const auto e = size_t(x.expert);
+            PRESCOPE_ASSERT(loader_ && (streamed || x.slot >= 0));
             site_[e] = 1;
             index_[e] = s.n_gpu;
-            s.gpu_expert[size_t(s.n_gpu)] = loader_->slot_data(x.slot);
+            s.gpu_expert[size_t(s.n_gpu)] = streamed ? nullptr : loader_->slot_data(x.slot);
+            if (streamed) stream_index_[size_t(s.n_gpu - n_wave0_)] = int32_t(&x - decision_.experts.data());
             s.gpu_offsets[size_t(s.n_gpu) + 1] = s.gpu_offsets[size_t(s.n_gpu)] + x.n_tokens;
             ++s.n_gpu;
         }
+        if (!streamed) n_wave0_ = s.n_gpu;
+    }
+    for (const RoutedExpert &x : decision_.experts) {
+        if (x.action != ExpertAction::CPU) continue;
+        const auto e = size_t(x.expert);
+        site_[e] = 2;
+        index_[e] = s.n_cpu;
+        s.cpu_expert[size_t(s.n_cpu)] = x.expert;
+        s.cpu_offsets[size_t(s.n_cpu) + 1] = s.cpu_offsets[size_t(s.n_cpu)] + x.n_tokens;
+        ++s.n_cpu;
     }
     s.n_gpu_pairs = s.gpu_offsets[size_t(s.n_gpu)];
     s.n_cpu_pairs = s.cpu_offsets[size_t(s.n_cpu)];
@@ -118,6 +128,29 @@ void HybridMoe::build_step(int32_t layer, const Routing &r, std::span<const floa
             s.weights[size_t(t * kc + k)] = 1.0f / (1.0f + std::exp(-shared_gate[size_t(t)]));
         }
     }
+}
+
+void HybridMoe::begin_wave(int32_t first) {
+    // All of the layer's slots but the fixed ones are free once the wave before was queued (end_layer); the
+    // copies into them wait on the device for that wave's compute.
+    const int32_t room = cache_->layer_slots(step_.layer) - cache_->layer_fixed(step_.layer);
+    PRESCOPE_ASSERT(room > 0 && first >= n_wave0_);
+    const int32_t last = std::min(step_.n_gpu, first + room);
+    wave_.layer = step_.layer;
+    wave_.experts.clear();
+    for (int32_t i = first; i < last; ++i) {
+        RoutedExpert x = decision_.experts[size_t(stream_index_[size_t(i - n_wave0_)])];
+        x.action = ExpertAction::FETCH;
+        wave_.experts.push_back(x);
+    }
+    wave_.n_hit = wave_.n_cpu = wave_.n_stream = wave_.n_demoted = 0;
+    wave_.n_fetch = last - first;
+    loader_->begin_layer(wave_);
+    for (int32_t i = first; i < last; ++i) {
+        step_.gpu_expert[size_t(i)] = loader_->slot_data(wave_.experts[size_t(i - first)].slot);
+    }
+    step_.wave_begin = first;
+    step_.wave_end = last;
 }
 
 void HybridMoe::run_cpu_experts(const float *h) {
@@ -187,7 +220,7 @@ void HybridMoe::run_layer(int32_t layer, const float *h, const Routing &r, std::
     build_step(layer, r, shared_gate);
 
     const Stream cs = device_.compute_stream();
-    if (loader_ && step_.n_gpu > 0) {
+    if (loader_ && n_wave0_ > 0) {
         const bool timed = !stall_begin_.empty() && !stall_pending_[size_t(layer)];
         if (timed) backend_->event_record(stall_begin_[size_t(layer)], cs);
         stats_.wait_issue_us += loader_->wait_experts(decision_, cs);
@@ -196,11 +229,27 @@ void HybridMoe::run_layer(int32_t layer, const float *h, const Routing &r, std::
             stall_pending_[size_t(layer)] = 1;
         }
     }
+    step_.wave = 0;
+    step_.wave_begin = 0;
+    step_.wave_end = n_wave0_;
     device_.launch_gpu(step_);
     // The slots are read by the work just queued: later loads into them wait for this point.
     if (loader_) loader_->end_layer(layer, cs);
+    // The first streamed wave's copies run while the host predicts and runs the CPU experts.
+    bool pending = step_.n_gpu > n_wave0_;
+    if (pending) begin_wave(n_wave0_);
     prefetch(layer, h, r);
     run_cpu_experts(h);
+    while (pending) {
+        stats_.wait_issue_us += loader_->wait_experts(wave_, cs);
+        ++step_.wave;
+        device_.launch_gpu(step_);
+        loader_->end_layer(layer, cs);
+        stats_.streamed += uint64_t(step_.wave_end - step_.wave_begin);
+        ++stats_.stream_waves;
+        pending = step_.wave_end < step_.n_gpu;
+        if (pending) begin_wave(step_.wave_end);
+    }
     device_.combine(step_);
     ++stats_.layers;
 }

@@ -25,7 +25,7 @@ struct MoeStep {
     int64_t n_tok = 0;
     int64_t k = 0;       // routed experts per token
     int64_t k_comb = 0;  // columns of pair_ids / weights: k, or k + 1 with the shared expert
-    // GPU experts (HIT and FETCH), ascending id.
+    // GPU experts: HIT and FETCH ones (wave 0), then STREAM ones (later waves), each part in ascending id.
     int32_t n_gpu = 0;
     std::vector<const void *> gpu_expert;  // [n_gpu] device address of each expert's canonical bytes (its slot)
     std::vector<int32_t> gpu_offsets;      // [n_gpu + 1] pairs of GPU expert i: [gpu_offsets[i], gpu_offsets[i+1])
@@ -39,16 +39,22 @@ struct MoeStep {
     int64_t n_cpu_pairs = 0;
     std::vector<int32_t> pair_ids;  // [n_tok][k_comb] pair-buffer row of each (token, top-k slot)
     std::vector<float> weights;     // [n_tok][k_comb] routing weight (shared column: sigmoid of its gate)
+    // The wave launch_gpu queues now: GPU experts [wave_begin, wave_end), whose gpu_expert entries are set.
+    // Wave 0 holds the HIT and FETCH experts and also uploads pair_ids / weights and runs the shared expert;
+    // waves 1, 2, ... hold STREAM experts, each loaded into slots the wave before freed.
+    int32_t wave = 0, wave_begin = 0, wave_end = 0;
 };
 
 /// The device half of the hybrid block. Calls come from the runtime thread in this order per layer:
-/// (copies waited for on compute_stream()) launch_gpu -> (CPU experts write cpu_out()) -> combine.
+/// (copies waited for on compute_stream()) launch_gpu (wave 0) -> (CPU experts write cpu_out()) ->
+/// [launch_gpu (wave 1, 2, ...), each after its copies were waited for] -> combine.
 class MoeDevice {
   public:
     virtual ~MoeDevice() = default;
     /// The stream the expert compute runs on; the loader makes it wait for expert copies.
     virtual Stream compute_stream() = 0;
-    /// Queues the GPU experts of `s` (and the shared expert when s.k_comb > s.k). Returns at once.
+    /// Queues the GPU experts of s's wave [s.wave_begin, s.wave_end) (and, in wave 0, the shared expert when
+    /// s.k_comb > s.k). Returns at once; the host arrays of s may change before the queued work runs.
     virtual void launch_gpu(const MoeStep &s) = 0;
     /// Host rows [max pairs][n_embd] F32 for the CPU experts' outputs: CPU pair i writes row i. Its previous
     /// contents must have been consumed (the device guarantees it by the time the layer's routing was read).
@@ -72,6 +78,8 @@ struct HybridMoeStats {
     double wait_issue_us = 0;  // host blocked until demand copies were issued (also in the cache's stall_us)
     double device_stall_us = 0;  // compute stream waiting for expert bytes (event-timed; in stall_us too)
     uint64_t layers = 0;
+    uint64_t streamed = 0;     // STREAM experts run on the GPU in waves after wave 0
+    uint64_t stream_waves = 0; // those waves
 };
 
 /// PRECONDITIONS: one thread (the runtime's); model, store, plan, device and (optional) cache, loader,
@@ -103,6 +111,7 @@ class HybridMoe {
 
   private:
     void build_step(int32_t layer, const Routing &r, std::span<const float> shared_gate);
+    void begin_wave(int32_t first);
     void run_cpu_experts(const float *h);
     void prefetch(int32_t layer, const float *h, const Routing &r);
 
@@ -119,7 +128,10 @@ class HybridMoe {
     int64_t max_tokens_;
 
     LayerDecision decision_;
+    LayerDecision wave_;  // the STREAM experts of the next wave, as FETCH entries (in gpu order)
     MoeStep step_;
+    int32_t n_wave0_ = 0;  // HIT + FETCH experts: GPU experts [0, n_wave0_) of step_
+    std::vector<int32_t> stream_index_;  // [n_experts] decision_.experts index of GPU expert n_wave0_ + i
     std::vector<int8_t> site_;        // [n_experts] scratch: 0 not routed, 1 GPU, 2 CPU
     std::vector<int32_t> index_;      // [n_experts] scratch: position of the expert in gpu_/cpu_ lists
     std::vector<int32_t> fill_;       // [n_experts] scratch: next pair of each expert

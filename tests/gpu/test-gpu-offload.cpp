@@ -171,6 +171,24 @@ TEST(GpuOffload, DecodeWithFewSlotsEqualsAllResidentBitForBit) {
     EXPECT_GT(s.prefetch_loads, 0u);
 }
 
+// A prefill batch of 64 tokens routes more experts than top-k slots per layer hold: they stream through the
+// slots in waves (docs/decisions/0036), on the same kernels and bytes as when every expert is resident.
+TEST(GpuOffload, PrefillStreamedThroughFewSlotsEqualsAllResidentBitForBit) {
+    const auto model =
+        Model::load((fs::path(PRESCOPE_SOURCE_DIR) / "tests/data/models/qwen3moe/tiny-q8_0.gguf").string());
+    std::vector<int32_t> prompt;
+    for (int i = 0; i < 64; ++i) prompt.push_back(int32_t((i * 37 + 11) % model->hp().n_vocab));
+    GpuContext all(*model, {128, 64}, offload(*model, model->hp().n_expert));
+    GpuContext few(*model, {128, 64}, offload(*model, model->hp().n_expert_used, 0, "frequency"));
+    const Greedy a = greedy(all, prompt, 8, model->hp().n_vocab);
+    const Greedy b = greedy(few, prompt, 8, model->hp().n_vocab);
+    EXPECT_EQ(a.tokens, b.tokens);
+    EXPECT_EQ(max_abs_diff(a.logits, b.logits), 0.0);
+    EXPECT_EQ(few.cache().total_stats().cpu_runs, 0u);
+    EXPECT_GT(few.stats_json()["streamed_experts"].get<uint64_t>(), 0u);
+    EXPECT_EQ(all.stats_json()["streamed_experts"].get<uint64_t>(), 0u);
+}
+
 // The bundled demo model (models/demo, when present): CPU and GPU engines give the same greedy tokens, and
 // so do a full and a small expert budget.
 TEST(GpuOffload, DemoModelCpuAndGpuAgree) {
@@ -186,7 +204,7 @@ TEST(GpuOffload, DemoModelCpuAndGpuAgree) {
         const auto model = Model::load(f.string());
         const int64_t n_vocab = model->hp().n_vocab;
         std::vector<int32_t> prompt;
-        for (int i = 0; i < 24; ++i) prompt.push_back(int32_t((i * 131 + 7) % n_vocab));
+        for (int i = 0; i < 40; ++i) prompt.push_back(int32_t((i * 131 + 7) % n_vocab));  // >= 32: streams
         Context cpu(*model, {128, 512});
         std::vector<int32_t> want;
         cpu.eval(prompt);

@@ -51,13 +51,13 @@ class FakeMoeDevice final : public MoeDevice {
     void launch_gpu(const MoeStep &s) override {
         const ExpertLayout &layout = store_.layout(s.layer);
         slot_copies_.resize(size_t(s.n_gpu));
-        for (int32_t i = 0; i < s.n_gpu; ++i) {
+        for (int32_t i = s.wave_begin; i < s.wave_end; ++i) {
             slot_copies_[size_t(i)].assign(layout.bytes, 0);
             backend_.copy_d2h_async(slot_copies_[size_t(i)].data(), s.gpu_expert[size_t(i)], layout.bytes, compute_);
         }
         backend_.stream_synchronize(compute_);
         std::vector<float> xg, scratch;
-        for (int32_t i = 0; i < s.n_gpu; ++i) {
+        for (int32_t i = s.wave_begin; i < s.wave_end; ++i) {
             const int64_t first = s.gpu_offsets[size_t(i)], m = s.gpu_offsets[size_t(i) + 1] - first;
             xg.resize(size_t(m * n_embd_));
             scratch.resize(size_t(m * 2 * layout.n_ff));
@@ -69,6 +69,7 @@ class FakeMoeDevice final : public MoeDevice {
             cpu_expert_ffn(v.gate, v.up, v.down, 0, xg.data(), m, scratch.data(), &gpu_out_[size_t(first * n_embd_)]);
         }
         ++launches_;
+        waves_ = std::max(waves_, s.wave + 1);
     }
     float *cpu_out() override { return cpu_out_.data(); }
     void combine(const MoeStep &s) override {
@@ -86,6 +87,7 @@ class FakeMoeDevice final : public MoeDevice {
         }
     }
     int launches() const { return launches_; }
+    int most_waves() const { return waves_; }  // most launches of one layer
 
   private:
     FakeBackend &backend_;
@@ -96,7 +98,7 @@ class FakeMoeDevice final : public MoeDevice {
     float *out_ = nullptr;
     std::vector<std::vector<uint8_t>> slot_copies_;
     std::vector<float> gpu_out_, cpu_out_;
-    int launches_ = 0;
+    int launches_ = 0, waves_ = 0;
 };
 
 // The CPU Context's expert executor, routed through HybridMoe and the fake device.
@@ -120,6 +122,7 @@ struct Options {
     bool threaded = false;
     bool allow_pin = true;
     EvictionPolicyKind policy = EvictionPolicyKind::LRU;
+    int32_t stream_min_batch = 32;  // never reached by kBatch unless lowered
 };
 
 // Everything the offloaded run needs, in construction order.
@@ -149,6 +152,7 @@ struct Rig {
         device = std::make_unique<FakeMoeDevice>(backend, store, model, max_tokens);
         HybridMoeConfig hc;
         hc.rule.cpu_threshold = o.cpu_threshold;
+        hc.rule.stream_min_batch = o.stream_min_batch;
         hc.prefetch_window = o.prefetch_window;
         moe = std::make_unique<HybridMoe>(model, store, plan, cache.get(), loader.get(), predictor.get(), *device,
                                           &backend, hc, max_tokens, /*shared_on_device=*/false);
@@ -237,6 +241,31 @@ TEST(HybridMoe, Q8ExpertsThroughSlotsEqualTheCpuExecutor) {
     const auto model = Model::load(model_path("qwen3moe", "tiny-q8_0.gguf").string());
     Rig rig(*model, Options{int32_t(model->hp().n_expert_used), 0, 2, true}, kBatch);
     expect_bitwise_equal(run_tokens(*model, rig.executor.get(), 4), run_tokens(*model, nullptr, 4));
+}
+
+TEST(HybridMoe, ExpertsStreamedInWavesThroughFewSlotsEqualTheCpuExecutor) {
+    // Batches of 2+ tokens stream what does not fit: top-k slots per layer give several waves per layer.
+    int most_waves = 0;
+    for (const std::string arch : {"qwen3moe", "mixtral"}) {
+        SCOPED_TRACE(arch);
+        const auto model = Model::load(model_path(arch, "tiny-q8_0.gguf").string());
+        const int32_t k = int32_t(model->hp().n_expert_used);
+        for (const int32_t cpu_threshold : {0, 2}) {
+            Options o;
+            o.slots_per_layer = k;
+            o.cpu_threshold = cpu_threshold;
+            o.prefetch_window = 1;
+            o.threaded = true;
+            o.stream_min_batch = 2;
+            Rig rig(*model, o, kBatch);
+            expect_bitwise_equal(run_tokens(*model, rig.executor.get(), 4), run_tokens(*model, nullptr, 4));
+            EXPECT_GT(rig.moe->stats().streamed, 0u);
+            EXPECT_GE(rig.device->most_waves(), 2);
+            most_waves = std::max(most_waves, rig.device->most_waves());
+            EXPECT_LE(rig.moe->stats().streamed, rig.cache->total_stats().demand_misses);  // never resident
+        }
+    }
+    EXPECT_GE(most_waves, 3);  // streamed waves reuse the slots of the streamed wave before
 }
 
 TEST(HybridMoe, EveryRoutedExpertIsCountedOnceAsHitMissOrCpu) {

@@ -50,6 +50,7 @@ TEST(OffloadConfig, TextValuesParseAndPrintBack) {
     c.set("gpu_cache", "12GiB", "test");
     c.set("cache_policy", "ARC", "test");
     c.set("cpu_threshold", "16", "test");
+    c.set("stream_min_batch", "0", "test");
     c.set("prefetch_window", "3", "test");
     c.set("copy_chunk", "1MiB", "test");
     c.set("copy_bandwidth_cap", "20GB", "test");
@@ -57,6 +58,7 @@ TEST(OffloadConfig, TextValuesParseAndPrintBack) {
     EXPECT_EQ(c.gpu_cache_bytes, uint64_t(12) << 30);
     EXPECT_EQ(c.cache_policy, EvictionPolicyKind::ARC);
     EXPECT_EQ(c.cpu_threshold, 16);
+    EXPECT_EQ(c.stream_min_batch, 0);
     EXPECT_EQ(c.prefetch_window, 3);
     EXPECT_EQ(c.copy.chunk_bytes, size_t(1) << 20);
     EXPECT_EQ(c.copy.bandwidth_cap_bytes_per_s, 20e9);

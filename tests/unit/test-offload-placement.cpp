@@ -154,3 +154,27 @@ TEST(HybridDecision, FetchesBeyondFreeSlotsGoToTheCpuFewestTokensFirst) {
     EXPECT_EQ(d.n_demoted, 2);
     EXPECT_EQ(d.n_hit + d.n_fetch, cache.layer_slots(0) - cache.layer_fixed(0));
 }
+
+TEST(HybridDecision, LargeBatchesStreamTheFetchesThatFindNoFreeSlot) {
+    // As above: room for 2 fetches among 4 candidates; the batch has 4 tokens (8 picks, top-2).
+    for (const int32_t min_batch : {4, 5, 0}) {
+        SCOPED_TRACE(min_batch);
+        ExpertCache cache(cache_config(1, 16, 2, 4));
+        cache.fix(0, 15);
+        cache.acquire(0, 0);
+        cache.release_layer(0);
+        const PlacementPlan plan = PlacementPlan::uniform(1, 16);
+        LayerDecision d;
+        d.reserve(16);
+        const std::vector<int32_t> routed = {0, 3, 3, 3, 7, 7, 8, 9};
+        decide_layer(0, routed, plan, &cache, HybridRule{0, min_batch}, d);
+        const bool stream = min_batch == 4;  // 5 tokens needed: too few; 0: never
+        EXPECT_EQ(entry(d, 0).action, ExpertAction::HIT);
+        EXPECT_EQ(entry(d, 3).action, ExpertAction::FETCH);  // 3 tokens
+        EXPECT_EQ(entry(d, 7).action, ExpertAction::FETCH);  // 2 tokens, expert id below 8 and 9
+        for (int32_t e : {8, 9}) EXPECT_EQ(entry(d, e).action, stream ? ExpertAction::STREAM : ExpertAction::CPU);
+        EXPECT_EQ(d.n_stream, stream ? 2 : 0);
+        EXPECT_EQ(d.n_cpu, stream ? 0 : 2);
+        EXPECT_EQ(d.n_demoted, stream ? 0 : 2);
+    }
+}

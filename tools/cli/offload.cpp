@@ -21,6 +21,9 @@ constexpr std::array kFlags = {
     FlagSpec{"--cache-policy", "cache_policy", "hot-expert table eviction: lru, lfu or arc"},
     FlagSpec{"--cpu-threshold", "cpu_threshold",
              "a missed expert runs on the CPU when fewer tokens chose it (0: always fetch)"},
+    FlagSpec{"--stream-min-batch", "stream_min_batch",
+             "batches of at least this many tokens stream the experts that find no free slot through the slots "
+             "in waves, instead of running them on the CPU (0: never)"},
     FlagSpec{"--prefetch-window", "prefetch_window", "layers ahead to prefetch for (0: no prefetch)"},
     FlagSpec{"--prefetch-max", "prefetch_max_per_layer", "new prefetch loads per predicted layer and step (0: top-k)"},
     FlagSpec{"--predict-max-tokens", "predict_max_tokens", "last tokens of a batch the predictor sees"},
