@@ -13,7 +13,7 @@ M=models/demo/demo-q8_0.gguf
 T=$D/demo-gsm8k.pstrace
 HID=$D/demo-gsm8k.hidden.zst
 SLOTS=8      # 8 of 32 experts per layer (25%), LRU
-PLOT=frequency,fate,llapor-lstm,llapor-mlp,llapor-mlp-negloss,llapor-mlp-prior,llapor-mlp-prior-alone,oracle
+PLOT=frequency,recency,fate,llapor-lstm,llapor-mlp,llapor-mlp-negloss,llapor-mlp-prior,llapor-mlp-prior-drift-none,oracle
 CORR="--epochs 4 --lr 1e-3 --width 64 --weight-decay 1e-2 --dropout 0.3"  # LLaPor-MLP-prior's correction (as topo)
 mkdir -p "$D"
 [ -f $T ] || $B trace -m $M -i ../shared/realdata/prompts/gsm8k_test_1319_mixtral8x7b_greedy_outputs.jsonl \

@@ -30,7 +30,7 @@ train lstm-1group --kind llapor-lstm --epochs 3 --groups 1
 train mlp --hidden $HIDDEN --kind llapor-mlp --epochs 12 --lr 4e-3
 train mlp-1group --hidden $HIDDEN --kind llapor-mlp --epochs 12 --lr 4e-3 --groups 1
 # The same network with the loss LLaPor-MLP-prior uses (each target against the non-targets): chosen with 24
-# epochs on the validation sequence (docs/predictors.md, "Small-data regime").
+# epochs on the validation sequence (docs/predictors.md, "LLaPor-MLP-prior: validation behind the defaults").
 train mlp-negloss --hidden $HIDDEN --kind llapor-mlp --epochs 24 --lr 4e-3 --loss negatives
 # LLaPor-MLP-prior (decision 0054): the routers of layers l+1..l+3 on the router input moved by a ridge-fitted
 # drift map (reading the previous token's router inputs in decode), plus an MLP correction kept only when it
@@ -63,5 +63,6 @@ for p in frequency oracle lstm lstm-1group; do
     $B eval-predictor --trace $P --split all --groups $GS --predictor $spec --cache-slots $SLOTS \
         --json $W/prompts-$p.json
 done
+PLOT=frequency,recency,fate,llapor-lstm,llapor-mlp,llapor-mlp-negloss,llapor-mlp-prior,llapor-mlp-prior-drift-none,oracle
 python3 bench/predictor/collect_results.py bench/results/predictors.json bench/results/predictors-recall-by-layer.png \
-    $W/hidden-*.json $W/test-*.json $W/prompts-*.json $(ls $DEMO/eval-*.json 2>/dev/null || true)
+    --plot-predictors $PLOT $W/hidden-*.json $W/test-*.json $W/prompts-*.json $(ls $DEMO/eval-*.json 2>/dev/null || true)
