@@ -1,8 +1,9 @@
 """The engine's tokenizer (prescope tokenize, from the demo GGUF's metadata) is token-exact against HF tokenizers
-(models/demo/tokenizer.json) on held-out test-split documents: a committed sample of every 5th document, and the
-whole test split when the corpus has been built (python3 tools/data/build_corpus.py)."""
+(models/demo/tokenizer.json) on the whole held-out test split of the corpus (tests/data/demo/test-split.jsonl.zst,
+the file tools/data/build_corpus.py writes, checked against the sha256 in docs/data/corpus.json)."""
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -35,15 +36,11 @@ def check(jsonl: Path) -> int:
 
 
 @pytest.mark.skipif(not PRESCOPE.exists(), reason="build/bin/prescope not built")
-def test_committed_sample(tmp_path: Path) -> None:
+def test_whole_test_split(tmp_path: Path) -> None:
     raw = zstandard.ZstdDecompressor().stream_reader(
-        io.BytesIO((ROOT / "tests/data/demo/test-split-sample.jsonl.zst").read_bytes())).read()
-    sample = tmp_path / "sample.jsonl"
-    sample.write_bytes(raw)
-    assert check(sample) > 50_000
-
-
-@pytest.mark.skipif(not (ROOT / "build-data/corpus/test.jsonl").exists() or not PRESCOPE.exists(),
-                    reason="corpus not built here (tools/data/build_corpus.py)")
-def test_whole_test_split() -> None:
-    assert check(ROOT / "build-data/corpus/test.jsonl") > 700_000
+        io.BytesIO((ROOT / "tests/data/demo/test-split.jsonl.zst").read_bytes())).read()
+    manifest = json.loads((ROOT / "docs/data/corpus.json").read_text())
+    assert hashlib.sha256(raw).hexdigest() == manifest["splits"]["test"]["sha256"]
+    split = tmp_path / "test.jsonl"
+    split.write_bytes(raw)
+    assert check(split) > 700_000
