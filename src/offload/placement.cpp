@@ -231,8 +231,10 @@ void decide_layer(int32_t layer, std::span<const int32_t> routed, const Placemen
         const RoutedExpert &x = out.experts[size_t(a)], &y = out.experts[size_t(b)];
         return x.n_tokens != y.n_tokens ? x.n_tokens > y.n_tokens : x.expert < y.expert;
     });
-    // A big batch streams the rest through slots that earlier waves free; a small one runs it on the CPU.
+    // A big batch streams the rest through slots that earlier waves free (if the layer has slots that are not
+    // fixed); a small one runs it on the CPU.
     const bool stream = cache && rule.stream_min_batch > 0 && cache->top_k() > 0 &&
+                        cache->layer_slots(layer) > cache->layer_fixed(layer) &&
                         int64_t(routed.size()) >= int64_t(rule.stream_min_batch) * cache->top_k();
     for (int32_t i = std::max(room, 0); i < n_candidates; ++i) {
         int32_t idx = out.order[size_t(i)];

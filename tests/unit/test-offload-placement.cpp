@@ -178,3 +178,15 @@ TEST(HybridDecision, LargeBatchesStreamTheFetchesThatFindNoFreeSlot) {
         EXPECT_EQ(d.n_demoted, stream ? 0 : 2);
     }
 }
+
+TEST(HybridDecision, NoStreamingInALayerWhoseSlotsAreAllFixed) {
+    ExpertCache cache(cache_config(1, 16, 2, 4));
+    for (int32_t e : {12, 13, 14, 15}) cache.fix(0, e);
+    const PlacementPlan plan = PlacementPlan::uniform(1, 16);
+    LayerDecision d;
+    d.reserve(16);
+    const std::vector<int32_t> routed = {0, 3, 3, 3, 7, 7, 8, 9};
+    decide_layer(0, routed, plan, &cache, HybridRule{0, 1}, d);
+    EXPECT_EQ(d.n_stream, 0);
+    EXPECT_EQ(d.n_cpu, 5);  // 0, 3, 7, 8, 9: no slot to fetch or stream into
+}
