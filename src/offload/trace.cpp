@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 
@@ -307,12 +308,17 @@ std::vector<int64_t> HiddenTrace::flat_token_indices(const RoutingTrace &t) cons
     return out;
 }
 
-HiddenTrace read_hidden(const std::string &path, const RoutingTrace *trace) {
+HiddenTrace read_hidden(const std::string &path, const RoutingTrace *trace, const std::string &trace_path) {
     const std::string raw = decompress_one_frame(path, read_bytes(path));
     size_t body = 0;
     const json h = split_header(path, raw, HIDDEN_MAGIC, &body);
     HiddenTrace out;
     out.trace = str_field(path, h, "trace");
+    if (!trace_path.empty() && out.trace != std::filesystem::path(trace_path).filename().string()) {
+        fail("{}: this sidecar was recorded with the trace '{}', not with {} (pass the sidecar `prescope trace "
+             "--hidden` wrote next to that trace)",
+             path, out.trace, trace_path);
+    }
     if (str_field(path, h, "encoding") != HIDDEN_ENCODING) {
         fail("{}: encoding {}, expected {}", path, h["encoding"].dump(), HIDDEN_ENCODING);
     }

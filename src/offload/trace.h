@@ -82,9 +82,12 @@ struct HiddenTrace {
 void quantize_int8_absmax(const float *x, int64_t dim, float *scale, int8_t *q);
 
 /// Reads and validates a sidecar (magic "PSHIDDN1", version, encoding "int8_absmax", token_ranges covering
-/// n_tokens, body length). With `trace`, also checks n_layer and that each range lies inside its sequence.
-/// Throws prescope::Error naming the file.
-HiddenTrace read_hidden(const std::string &path, const RoutingTrace *trace = nullptr);
+/// n_tokens, body length). With `trace`, also checks n_layer and that each range lies inside its sequence;
+/// with `trace_path`, that the sidecar was recorded for that trace file (its "trace" field, which `prescope
+/// trace` sets to the trace's file name, equals trace_path's file name): a sidecar of another trace with the
+/// same shape would otherwise pair hidden states with the wrong tokens. Throws prescope::Error naming the file.
+HiddenTrace read_hidden(const std::string &path, const RoutingTrace *trace = nullptr,
+                        const std::string &trace_path = {});
 void write_hidden(const std::string &path, const HiddenTrace &h, int level = 12);
 
 /// The sidecar path that belongs to a trace path: NAME.pstrace -> NAME.hidden.zst.

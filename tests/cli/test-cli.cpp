@@ -134,6 +134,7 @@ TEST(Cli, UnsupportedArchitecture) {
 
 TEST(Cli, PromptLongerThanContext) {
     expect_generate_error(valid_model(), {"prompt is 11 tokens", "context of 8 tokens"}, "-p abcdefghijk -c 8");
+    expect_generate_error(valid_model(), {"prompt is 8 tokens", "must also hold the generated ones"}, "-p abcdefgh -c 8");
 }
 
 TEST(Cli, MissingPromptFile) {
@@ -146,4 +147,38 @@ TEST(Cli, PerplexityNeedsEnoughText) {
     const RunResult r = run("perplexity -m " + valid_model() + " -f " + text + " -c 64");
     EXPECT_EQ(r.exit_code, 1) << r.out;
     EXPECT_NE(r.out.find("error: perplexity needs at least 128 tokens"), std::string::npos) << r.out;
+}
+
+TEST(Cli, PerplexityContextTooSmallToScore) {
+    const std::string text = tmp("ppl.txt");
+    std::ofstream(text) << "some text long enough for a few chunks of two tokens each";
+    const RunResult r = run("perplexity -m " + valid_model() + " -f " + text + " -c 2");
+    EXPECT_EQ(r.exit_code, 1) << r.out;
+    EXPECT_NE(r.out.find("at least 3 tokens"), std::string::npos) << r.out;
+}
+
+TEST(Cli, OutputLostToAFullDeviceIsAnError) {
+    for (const std::string cmd : {"inspect " + valid_model(), "generate -m " + valid_model() + " -p hello -n 2"}) {
+        const RunResult r = run(cmd + " > /dev/full");
+        EXPECT_EQ(r.exit_code, 1) << cmd << ": " << r.out;
+    }
+}
+
+TEST(Cli, SamplingValuesOutOfRangeAreRefused) {
+    for (const std::string flag : {"--top-p 2", "--min-p -1", "--temp nan", "--temp -1", "--repeat-penalty 0",
+                                   "--top-k -5", "-n -5", "-t 0", "-c -1", "--seed -2"}) {
+        const RunResult r = run("generate -m " + valid_model() + " -p hello " + flag);
+        EXPECT_NE(r.exit_code, 0) << flag << ": " << r.out;
+        EXPECT_LT(r.exit_code, 128) << flag << ": " << r.out;  // an error, not a signal
+        EXPECT_NE(r.out.find(flag.substr(0, flag.find(' '))), std::string::npos) << flag << ": " << r.out;
+    }
+    const RunResult ok = run("generate -m " + valid_model() + " -p hello -n 2 --seed -1 --temp 0.7");
+    EXPECT_EQ(ok.exit_code, 0) << ok.out;
+}
+
+TEST(Cli, BenchStaysWithinTheContext) {
+    const RunResult r = run("bench -m " + valid_model() + " -p 200 -n 4 -c 100 -r 1");
+    EXPECT_EQ(r.exit_code, 1) << r.out;
+    EXPECT_NE(r.out.find("need a context of 201 tokens"), std::string::npos) << r.out;
+    EXPECT_NE(r.out.find("-c 100"), std::string::npos) << r.out;
 }

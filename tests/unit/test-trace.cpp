@@ -190,8 +190,16 @@ TEST(Trace, HiddenSidecarRoundTripAndChecks) {
     }
     const fs::path p = dir / "x.hidden.zst";
     write_hidden(p.string(), h);
-    const HiddenTrace r = read_hidden(p.string(), &t);
+    const HiddenTrace r = read_hidden(p.string(), &t, (dir / "x.pstrace").string());
     EXPECT_EQ(r.n_tokens(), 3);
+    try {
+        read_hidden(p.string(), &t, "other/y.pstrace");  // same shape, another trace
+        ADD_FAILURE() << "a sidecar of another trace accepted";
+    } catch (const Error &e) {
+        EXPECT_NE(std::string(e.what()).find("recorded with the trace 'x.pstrace', not with other/y.pstrace"),
+                  std::string::npos)
+            << e.what();
+    }
     EXPECT_EQ(r.flat_token_indices(t), (std::vector<int64_t>{6, 7, 8}));
     EXPECT_EQ(r.scale[0], 0.0f);
     std::vector<float> y(5);

@@ -48,8 +48,16 @@ void run_bench(const BenchArgs &a) {
     const auto model = Model::load(a.common.model);
     const HParams &hp = model->hp();
     const OffloadConfig offload = resolve_offload(a.offload);
-    const std::unique_ptr<Engine> engine =
-        make_engine(*model, {std::max<int64_t>(a.n_prompt, a.n_gen) + 1, a.common.n_batch}, offload);
+    // As llama-bench, each test starts from an empty cache: the context only has to hold the longer test,
+    // within -c (0: the model's context length).
+    const int64_t need = std::max<int64_t>(a.n_prompt, a.n_gen) + 1;
+    const int64_t limit = a.common.n_ctx > 0 ? a.common.n_ctx : hp.n_ctx_train;
+    if (a.n_prompt == 0 && a.n_gen == 0) fail("bench: nothing to run: -p and -n are both 0");
+    if (limit > 0 && need > limit) {
+        fail("bench: the tests need a context of {} tokens (-p {}, -n {}), more than {} tokens", need, a.n_prompt,
+             a.n_gen, a.common.n_ctx > 0 ? fmt::format("-c {}", limit) : fmt::format("the model's {}", limit));
+    }
+    const std::unique_ptr<Engine> engine = make_engine(*model, {need, a.common.n_batch}, offload);
     Engine &ctx = *engine;
     print_startup(offload, ctx);
     std::mt19937 rng(1234);
@@ -130,9 +138,15 @@ void register_bench(CLI::App &app) {
     auto a = std::make_shared<BenchArgs>();
     auto *cmd = app.add_subcommand("bench", "prefill and decode tokens/s (llama-bench's pp/tg tests)");
     add_common_flags(*cmd, a->common);
-    cmd->add_option("-p,--n-prompt", a->n_prompt, "prompt tokens of the prefill test (0: skip)")->capture_default_str();
-    cmd->add_option("-n,--n-gen", a->n_gen, "tokens of the decode test (0: skip)")->capture_default_str();
-    cmd->add_option("-r,--repetitions", a->reps, "repetitions of each test")->capture_default_str()->check(CLI::PositiveNumber);
+    cmd->add_option("-p,--n-prompt", a->n_prompt, "prompt tokens of the prefill test (0: skip)")
+        ->capture_default_str()
+        ->check(CLI::Range(int64_t(0), int64_t(1) << 24));
+    cmd->add_option("-n,--n-gen", a->n_gen, "tokens of the decode test (0: skip)")
+        ->capture_default_str()
+        ->check(CLI::Range(int64_t(0), int64_t(1) << 24));
+    cmd->add_option("-r,--repetitions", a->reps, "repetitions of each test")
+        ->capture_default_str()
+        ->check(CLI::Range(1, 1000000));
     cmd->add_option("-o,--output", a->output, "output format")->check(CLI::IsMember({"md", "json"}))->capture_default_str();
     add_offload_flags(*cmd, a->offload);
     cmd->callback([a]() { run_bench(*a); });

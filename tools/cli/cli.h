@@ -19,6 +19,8 @@ struct CommonArgs {
     int verbosity = 0;       // -v (repeatable)
 };
 void add_common_flags(CLI::App &app, CommonArgs &args);
+/// CLI11 check for a floating-point flag: a finite number in [lo, hi] (CLI::Range lets NaN through).
+CLI::Validator finite_range(double lo, double hi);
 /// Applies -t and -v; call first in every subcommand.
 void apply_common(const CommonArgs &args);
 

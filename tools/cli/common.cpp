@@ -5,14 +5,40 @@
 
 #include <sys/resource.h>
 
+#include <cmath>
+#include <exception>
+#include <string>
+
 namespace prescope::cli {
 
 void add_common_flags(CLI::App &app, CommonArgs &args) {
     app.add_option("-m,--model", args.model, "model file (GGUF)")->required()->check(CLI::ExistingFile);
-    app.add_option("-t,--threads", args.threads, "CPU threads (default: physical cores)");
-    app.add_option("-c,--ctx-size", args.n_ctx, "context size in tokens (0: the model's)")->capture_default_str();
-    app.add_option("-b,--batch-size", args.n_batch, "tokens per forward pass")->capture_default_str();
+    app.add_option("-t,--threads", args.threads, "CPU threads (default: physical cores)")->check(CLI::Range(1, 1024));
+    app.add_option("-c,--ctx-size", args.n_ctx, "context size in tokens (0: the model's)")
+        ->capture_default_str()
+        ->check(CLI::Range(int64_t(0), int64_t(1) << 24));
+    app.add_option("-b,--batch-size", args.n_batch, "tokens per forward pass")
+        ->capture_default_str()
+        ->check(CLI::Range(int64_t(1), int64_t(1) << 24));
     app.add_flag("-v,--verbose", args.verbosity, "more logging (repeat for debug)");
+}
+
+CLI::Validator finite_range(double lo, double hi) {
+    return CLI::Validator(
+        [lo, hi](std::string &text) -> std::string {
+            double v = 0;
+            size_t used = 0;
+            try {
+                v = std::stod(text, &used);
+            } catch (const std::exception &) {
+                used = 0;
+            }
+            if (used != text.size() || !std::isfinite(v) || v < lo || v > hi) {
+                return fmt::format("expected a number in [{}, {}], got '{}'", lo, hi, text);
+            }
+            return {};
+        },
+        fmt::format("NUMBER in [{}, {}]", lo, hi));
 }
 
 void apply_common(const CommonArgs &args) {

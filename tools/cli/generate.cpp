@@ -56,8 +56,8 @@ void run_generate(const GenerateArgs &a) {
     Engine &ctx = *engine;
     print_startup(offload, ctx);
     if (int64_t(prompt_ids.size()) >= ctx.n_ctx()) {
-        fail("the prompt is {} tokens, longer than the context of {} tokens (use a larger -c)", prompt_ids.size(),
-             ctx.n_ctx());
+        fail("the prompt is {} tokens; the context of {} tokens must also hold the generated ones (use a larger -c)",
+             prompt_ids.size(), ctx.n_ctx());
     }
     Sampler sampler(a.sampling);
     spdlog::info("{}: {} | seed {} | prompt {} tokens", model->file().path(), model->hp().arch, sampler.seed(),
@@ -110,16 +110,25 @@ void register_generate(CLI::App &app) {
     add_common_flags(*cmd, a->common);
     auto *p = cmd->add_option("-p,--prompt", a->prompt, "prompt text");
     cmd->add_option("-f,--file", a->prompt_file, "read the prompt from a file")->excludes(p);
-    cmd->add_option("-n,--n-predict", a->n_predict, "tokens to generate (-1: until end of text)")->capture_default_str();
+    cmd->add_option("-n,--n-predict", a->n_predict, "tokens to generate (-1: until end of text)")
+        ->capture_default_str()
+        ->check(CLI::Range(int64_t(-1), int64_t(1) << 24));
     cmd->add_flag("--chat", a->chat, "wrap the prompt in the model's chat template (ChatML, Mistral [INST])");
     SamplerParams &s = a->sampling;
-    cmd->add_option("--temp", s.temp, "temperature (0: greedy)")->capture_default_str();
-    cmd->add_option("--top-k", s.top_k, "top-k sampling (0: off)")->capture_default_str();
-    cmd->add_option("--top-p", s.top_p, "top-p sampling (1: off)")->capture_default_str();
-    cmd->add_option("--min-p", s.min_p, "min-p sampling (0: off)")->capture_default_str();
-    cmd->add_option("--repeat-penalty", s.repeat_penalty, "repetition penalty (1: off)")->capture_default_str();
-    cmd->add_option("--repeat-last-n", s.repeat_last_n, "tokens the penalty looks back over")->capture_default_str();
-    cmd->add_option("--seed", s.seed, "RNG seed (default: random)");
+    cmd->add_option("--temp", s.temp, "temperature (0: greedy)")->capture_default_str()->check(finite_range(0, 1e3));
+    cmd->add_option("--top-k", s.top_k, "top-k sampling (0: off)")->capture_default_str()->check(CLI::NonNegativeNumber);
+    cmd->add_option("--top-p", s.top_p, "top-p sampling (1: off)")->capture_default_str()->check(finite_range(0, 1));
+    cmd->add_option("--min-p", s.min_p, "min-p sampling (0: off)")->capture_default_str()->check(finite_range(0, 1));
+    cmd->add_option("--repeat-penalty", s.repeat_penalty, "repetition penalty (1: off)")
+        ->capture_default_str()
+        ->check(finite_range(1e-3, 1e3));
+    cmd->add_option("--repeat-last-n", s.repeat_last_n, "tokens the penalty looks back over (0: off)")
+        ->capture_default_str()
+        ->check(CLI::NonNegativeNumber);
+    // llama.cpp's -1 (and no --seed) draw a random seed.
+    cmd->add_option_function<int64_t>(
+           "--seed", [&s](int64_t v) { s.seed = v < 0 ? 0xFFFFFFFFu : uint32_t(v); }, "RNG seed (-1 or none: random)")
+        ->check(CLI::Range(int64_t(-1), int64_t(0xFFFFFFFE)));
     add_offload_flags(*cmd, a->offload);
     cmd->callback([a]() { run_generate(*a); });
 }

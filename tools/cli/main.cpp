@@ -6,7 +6,10 @@
 #include "core/error.h"
 #include "core/log.h"
 
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
+#include <exception>
 
 int main(int argc, char **argv) {
     CLI::App app{"PreScope: Mixture-of-Experts inference with expert offloading"};
@@ -30,6 +33,15 @@ int main(int argc, char **argv) {
     } catch (const std::bad_alloc &) {
         std::fflush(stdout);
         std::fprintf(stderr, "error: out of memory\n");
+        return 1;
+    } catch (const std::exception &e) {  // e.g. std::system_error from printing to a full device
+        std::fflush(stdout);
+        std::fprintf(stderr, "error: %s\n", e.what());
+        return 1;
+    }
+    // Output lost to a full disk or a closed pipe must not look like success.
+    if (std::fflush(stdout) != 0 || std::ferror(stdout)) {
+        std::fprintf(stderr, "error: writing the output failed: %s\n", std::strerror(errno));
         return 1;
     }
     return 0;

@@ -1,6 +1,8 @@
 // Offloading flags and reports of the prescope CLI.
 #include "offload.h"
 
+#include "core/log.h"
+
 #include <array>
 #include <cstdio>
 
@@ -57,9 +59,15 @@ void add_offload_flags(CLI::App &cmd, OffloadArgs &args) {
 OffloadConfig resolve_offload(const OffloadArgs &args) {
     OffloadConfig c;
     if (!args.config_file.empty()) c.load_yaml(args.config_file);
+    std::string unused;  // flags only the GPU runtime reads
     for (size_t i = 0; i < args.given.size(); ++i) {
         const auto &[key, opt] = args.given[i];
-        if (opt->count() > 0) c.set(key, args.values[i], opt->get_name());
+        if (opt->count() == 0) continue;
+        c.set(key, args.values[i], opt->get_name());
+        if (key != "gpu_cache" && key != "routing_trace") unused += (unused.empty() ? "" : ", ") + opt->get_name();
+    }
+    if (!c.gpu && !unused.empty()) {
+        spdlog::warn("{}: no effect without --gpu-expert-budget (the CPU engine runs every expert itself)", unused);
     }
     return c;
 }

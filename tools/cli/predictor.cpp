@@ -49,7 +49,7 @@ Loaded load_split(const SplitArgs &s) {
     if (seqs.empty()) fail("{}: the {} split holds no sequences (holdout-every {})", s.trace, s.split, s.holdout_every);
     d.part = select_sequences(d.full, seqs);
     if (!s.hidden.empty()) {
-        const HiddenTrace h = read_hidden(s.hidden, &d.full);
+        const HiddenTrace h = read_hidden(s.hidden, &d.full, s.trace);
         d.hidden = std::make_unique<HiddenTrace>(select_hidden(h, seqs));
     }
     spdlog::info("{}: {} split, {} sequences, {} tokens", s.trace, s.split, d.part.sequences.size(), d.part.n_tokens());

@@ -70,6 +70,14 @@ void run_trace(const TraceArgs &a) {
     if (a.max_prompts > 0 && int64_t(prompts.size()) > a.max_prompts) prompts.resize(size_t(a.max_prompts));
     if (prompts.empty()) fail("{}: no prompts", a.input);
     if (a.n_generate < 0) fail("-n {}: expected a number of tokens >= 0", a.n_generate);
+    // Fail before recording, not after: the outputs must be creatable.
+    for (const std::string &out : {a.output, a.hidden}) {
+        if (out.empty()) continue;
+        const std::filesystem::path dir = std::filesystem::absolute(out).parent_path();
+        if (!std::filesystem::is_directory(dir) || access(dir.c_str(), W_OK) != 0) {
+            fail("{}: cannot write there: {} is not a writable directory", out, dir.string());
+        }
+    }
 
     Context ctx(*model, {a.common.n_ctx, a.common.n_batch});
     if (a.n_generate >= ctx.n_ctx()) fail("-n {} leaves no room for a prompt in a context of {}", a.n_generate, ctx.n_ctx());
