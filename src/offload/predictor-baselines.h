@@ -12,6 +12,10 @@ namespace prescope {
 
 class Model;
 
+/// Per-token decay of `recency`'s popularity counts: the runtime's `--predictor recency` and eval-predictor's
+/// default (its --decay overrides it there).
+inline constexpr double kRecencyDecay = 0.99;
+
 /// `--predictor frequency` (decay 1) and `recency` (decay < 1): per-layer popularity counts c[l][e] over every
 /// token seen so far, each count multiplied by `decay` per token; score = c / max_e c. Counts survive reset()
 /// (popularity is a property of the model, not of one sequence). Before any token: all scores 0.

@@ -48,7 +48,7 @@ std::unique_ptr<Predictor> make_predictor(const OffloadConfig &config, const Mod
     if (oracle) *oracle = nullptr;
     if (name == "none") return nullptr;
     if (name == "frequency" || name == "recency") {
-        return std::make_unique<FrequencyPredictor>(shape, name == "recency" ? 0.99 : 1.0, max_tokens, window);
+        return std::make_unique<FrequencyPredictor>(shape, name == "recency" ? kRecencyDecay : 1.0, max_tokens, window);
     }
     if (name == "fate") {
         return std::make_unique<FatePredictor>(shape, hp.n_embd, FatePredictor::read_routers(model), max_tokens,

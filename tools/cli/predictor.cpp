@@ -158,7 +158,7 @@ void register_eval_predictor(CLI::App &app) {
         std::string predictor, model, routers, json_out, metric = "topk_accuracy", groups = "auto", policy = "lru",
             label;
         EvalOptions opt;
-        double decay = 0.9;
+        double decay = kRecencyDecay;
         int threads = 1;
         int verbosity = 0;
     };
