@@ -9,8 +9,8 @@ Row fields (issue 4): model, budget_gib, gpu_mem_gib, decode_tok_s, prefill_tok_
 peer_decode_tok_s, peer_prefill_tok_s, decode_ratio, prefill_ratio, hit_rate, pcie_gb_s, pcie_bytes_per_token,
 routing; plus peer_gpu_mem_gib, predictor, and decode_pcie_bound_tok_s / decode_share_of_pcie_bound: the decode
 rate the bytes moved over PCIe per token allow at the link's measured pinned peak (55.5 GB/s,
-docs reference-numbers), and the share of it reached. GPU memory is the peak of nvidia-smi's memory.used during
-the run (device-wide, so both tools are measured alike).
+../shared/design/reference-numbers.md), and the share of it reached. GPU memory is the peak of nvidia-smi's
+memory.used during the run (device-wide, so both tools are measured alike).
 """
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ import sys
 from pathlib import Path
 
 PCIE_PEAK_B_S = 55.5e9
-# llama.cpp on this model (reference-numbers.md): 2.4 GiB with every expert on the CPU, plus one layer's
-# 128 Q8_0 experts (128 x 3 x 768 x 2048 x 34/32 bytes = 612 MiB) per layer kept on the GPU.
+# llama.cpp on this model (../shared/design/reference-numbers.md): 2.4 GiB with every expert on the CPU, plus one
+# layer's 128 Q8_0 experts (128 x 3 x 768 x 2048 x 34/32 bytes = 612 MiB) per layer kept on the GPU.
 LLAMA_BASE_MIB, LLAMA_LAYER_MIB, N_LAYER = 2458.0, 612.0, 48
 
 

@@ -4,7 +4,7 @@
 #   bench/predictor/run_topo.sh            # B=build/bin/prescope, work files in /tmp/prescope-predictors
 # Needs traces/topo-test.pstrace, traces/topo-routers.safetensors and the uncommitted sidecar
 # traces/topo-test.hidden.zst (HIDDEN=... to point elsewhere). A predictor file already in the work folder is
-# reused (delete it to retrain). About 45 minutes on 2 busy cores. Commands and results: docs/predictors.md.
+# reused (delete it to retrain). About 20 minutes on 2 cores (2026-11-29). Commands and results: docs/predictors.md.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 B=${B:-build/bin/prescope}

@@ -52,7 +52,7 @@ const char *ticket_state_name(TicketState s);
 
 struct CopyEngineConfig {
     size_t chunk_bytes = size_t(4) << 20;  // bytes per chunk (> 0); 4 MiB reaches 96% of the H200 host's
-                                           // PCIe peak (docs/design/reference-numbers.md)
+                                           // PCIe peak (../shared/design/reference-numbers.md)
     int32_t queue_depth = 4;               // chunks in flight at most (>= 1): the bound on how long a new
                                            // demand request waits behind issued prefetch chunks
     double bandwidth_cap_bytes_per_s = 0;  // average issue rate limit, bytes/s; 0 = no cap

@@ -8,7 +8,9 @@ namespace prescope {
 
 PerplexityResult perplexity(Context &ctx, std::vector<int32_t> tokens, int64_t n_ctx, int32_t bos,
                             const std::function<void(int64_t, double)> &progress) {
-    if (n_ctx < 3) fail("perplexity scores the second half of each chunk: it needs a context of at least 3 tokens, got {}", n_ctx);
+    if (n_ctx < 3) {
+        fail("perplexity scores the second half of each chunk: it needs a context of at least 3 tokens, got {}", n_ctx);
+    }
     if (int64_t(tokens.size()) < 2 * n_ctx) {
         fail("perplexity needs at least {} tokens (2 x context {}), the text has {}", 2 * n_ctx, n_ctx, tokens.size());
     }
@@ -36,7 +38,8 @@ PerplexityResult perplexity(Context &ctx, std::vector<int32_t> tokens, int64_t n
             ++count;
         }
         if (!std::isfinite(nll)) {
-            fail("perplexity: chunk {} gives a non-finite log-likelihood: the model produced NaN or infinite logits", c);
+            fail("perplexity: chunk {} gives a non-finite log-likelihood: the model produced NaN or infinite logits",
+                 c);
         }
         if (progress) progress(c, std::exp(nll / double(count)));
     }

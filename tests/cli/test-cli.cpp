@@ -134,7 +134,8 @@ TEST(Cli, UnsupportedArchitecture) {
 
 TEST(Cli, PromptLongerThanContext) {
     expect_generate_error(valid_model(), {"prompt is 11 tokens", "context of 8 tokens"}, "-p abcdefghijk -c 8");
-    expect_generate_error(valid_model(), {"prompt is 8 tokens", "must also hold the generated ones"}, "-p abcdefgh -c 8");
+    expect_generate_error(valid_model(), {"prompt is 8 tokens", "must also hold the generated ones"},
+                          "-p abcdefgh -c 8");
 }
 
 TEST(Cli, MissingPromptFile) {

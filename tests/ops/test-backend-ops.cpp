@@ -51,7 +51,7 @@ namespace cu = prescope::cuda;
 namespace {
 
 constexpr int kSkipCode = 77;
-constexpr double kHbmGBs = 4300.0;  // H200 device-to-device copy, reference-numbers.md
+constexpr double kHbmGBs = 4300.0;  // H200 device-to-device copy, ../shared/design/reference-numbers.md
 constexpr double kExact = 1e-8;
 constexpr double kTight = 1e-11;  // row and elementwise ops: a few ulp per element, no long sums
 

@@ -116,7 +116,9 @@ void register_generate(CLI::App &app) {
     cmd->add_flag("--chat", a->chat, "wrap the prompt in the model's chat template (ChatML, Mistral [INST])");
     SamplerParams &s = a->sampling;
     cmd->add_option("--temp", s.temp, "temperature (0: greedy)")->capture_default_str()->check(finite_range(0, 1e3));
-    cmd->add_option("--top-k", s.top_k, "top-k sampling (0: off)")->capture_default_str()->check(CLI::NonNegativeNumber);
+    cmd->add_option("--top-k", s.top_k, "top-k sampling (0: off)")
+        ->capture_default_str()
+        ->check(CLI::NonNegativeNumber);
     cmd->add_option("--top-p", s.top_p, "top-p sampling (1: off)")->capture_default_str()->check(finite_range(0, 1));
     cmd->add_option("--min-p", s.min_p, "min-p sampling (0: off)")->capture_default_str()->check(finite_range(0, 1));
     cmd->add_option("--repeat-penalty", s.repeat_penalty, "repetition penalty (1: off)")

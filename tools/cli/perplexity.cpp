@@ -34,7 +34,10 @@ void register_perplexity(CLI::App &app) {
         ss << in.rdbuf();
         const std::vector<int32_t> tokens = tok.encode(ss.str(), /*add_special=*/true, /*parse_special=*/false);
         const int64_t n_ctx = a->common.n_ctx;
-        if (n_ctx < 3) fail("perplexity needs a context of at least 3 tokens (it scores each chunk's second half), got -c {}", n_ctx);
+        if (n_ctx < 3) {
+            fail("perplexity needs a context of at least 3 tokens (it scores each chunk's second half), got -c {}",
+                 n_ctx);
+        }
         Context ctx(*model, {n_ctx, std::min(a->common.n_batch, n_ctx)});
         const auto t0 = std::chrono::steady_clock::now();
         const PerplexityResult r = perplexity(ctx, tokens, n_ctx, tok.add_bos() ? tok.bos() : -1,
