@@ -196,9 +196,12 @@ GgufFile::GgufFile(const std::string &path) : map_(path) {
         uint64_t n_elements = 1;
         for (uint32_t d = 0; d < n_dims; ++d) {
             const uint64_t ne = r.read<uint64_t>(what + " dimension");
-            if (ne == 0 || ne > uint64_t(std::numeric_limits<int64_t>::max()) ||
-                n_elements > std::numeric_limits<uint64_t>::max() / ne) {
+            if (ne == 0 || ne > uint64_t(std::numeric_limits<int64_t>::max())) {
                 fail("{}: {} has invalid dimension {} = {}", path, what, d, ne);
+            }
+            if (n_elements > std::numeric_limits<uint64_t>::max() / ne) {
+                fail("{}: {} has too many elements: dimensions 0..{} multiply past 2^64 (dimension {} = {})", path,
+                     what, d, d, ne);
             }
             n_elements *= ne;
             t.ne.push_back(int64_t(ne));

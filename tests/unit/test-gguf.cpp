@@ -217,6 +217,11 @@ TEST(Gguf, RejectsMalformedHeaders) {
         w.tensor("t", 0, {1, 1, 1, 1, 4}, f32_bytes({1, 2, 3, 4}));
         expect_error(w.bytes(), "dims", "5 dimensions");
     }
+    {  // dimensions whose product overflows 64 bits
+        GgufWriter w;
+        w.tensor("t", 0, {int64_t(1) << 62, 8192}, f32_bytes({1, 2, 3, 4}));
+        expect_error(w.bytes(), "ne-overflow", "'t' has too many elements: dimensions 0..1 multiply past 2^64");
+    }
     {  // Q8_0 row not a whole number of blocks
         GgufWriter w;
         w.tensor("q", 8, {16}, std::vector<uint8_t>(34));
