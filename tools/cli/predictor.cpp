@@ -172,14 +172,18 @@ void register_eval_predictor(CLI::App &app) {
         ->check(CLI::ExistingFile);
     cmd->add_option("--metric", a->metric, "topk_accuracy: recall@k, precision@k, exact top-k match")
         ->check(CLI::IsMember({"topk_accuracy"}))->capture_default_str();
-    cmd->add_option("--window", a->opt.window, "distances 1..window")->capture_default_str();
-    cmd->add_option("--k", a->opt.k_pred, "predicted set size (0: the trace's top_k)")->capture_default_str();
+    cmd->add_option("--window", a->opt.window, "distances 1..window")->capture_default_str()->check(CLI::Range(1, 64));
+    cmd->add_option("--k", a->opt.k_pred, "predicted set size (0: the trace's top_k)")
+        ->capture_default_str()
+        ->check(CLI::NonNegativeNumber);
     cmd->add_option("--groups", a->groups, "layer groups of the report: auto or A,B")->capture_default_str();
     cmd->add_option("--cache-slots", a->opt.cache_slots, "replay a hot-expert table of N slots per layer (0: off)")
-        ->capture_default_str();
+        ->capture_default_str()
+        ->check(CLI::NonNegativeNumber);
     cmd->add_option("--cache-policy", a->policy, "lru, lfu or arc")->capture_default_str();
     cmd->add_option("--prefetch", a->opt.prefetch_per_layer, "experts prefetched per predicted layer (0: top_k)")
-        ->capture_default_str();
+        ->capture_default_str()
+        ->check(CLI::NonNegativeNumber);
     cmd->add_option("--decay", a->decay, "recency: per-token decay of the popularity counts")->capture_default_str();
     cmd->add_option("--json", a->json_out, "write the result as JSON to this file");
     cmd->add_option("--label", a->label, "name of the predictor in the table and JSON (default: from the predictor)");
