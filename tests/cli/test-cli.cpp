@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <sys/wait.h>
+#include <unistd.h>
 
 namespace fs = std::filesystem;
 using prescope::test::TinyModelSpec;
@@ -31,8 +32,9 @@ RunResult run(const std::string &args) {
     return r;
 }
 
+// Per process: ctest runs the cases side by side, and rewriting a model another case has mapped kills it (SIGBUS).
 std::string tmp(const std::string &name) {
-    return (fs::temp_directory_path() / ("prescope-cli-" + name)).string();
+    return (fs::temp_directory_path() / ("prescope-cli-" + std::to_string(getpid()) + "-" + name)).string();
 }
 
 std::string valid_model() {

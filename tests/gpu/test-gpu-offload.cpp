@@ -11,6 +11,7 @@
 #include "runtime/gpu-context.h"
 #include "runtime/sampler.h"
 
+#include <unistd.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -250,7 +251,7 @@ TEST(GpuOffload, ReplayedRoutingIsWhatTheLayersRun) {
         t.append_token(uint32_t(i), ids, w);
     }
     t.sequences.push_back({"s", "test", n_tok});
-    const fs::path path = fs::temp_directory_path() / "prescope-test-replay.pstrace";
+    const fs::path path = fs::temp_directory_path() / ("prescope-test-replay-" + std::to_string(getpid()) + ".pstrace");
     write_trace(path.string(), t);
 
     OffloadConfig c = offload(*model, hp.n_expert_used);
@@ -275,7 +276,7 @@ TEST(GpuOffload, ReplayedRoutingIsWhatTheLayersRun) {
     add_batch(4, 1);
     for (int i = 5; i < 9; ++i) add_batch(i, 1);
     EXPECT_EQ(seen, want);
-    EXPECT_EQ(gpu.stats_json()["routing"], "replayed:prescope-test-replay.pstrace");
+    EXPECT_EQ(gpu.stats_json()["routing"], "replayed:" + path.filename().string());
 
     // The CPU engine replays the same routing: the same logits within the reference tolerance.
     CpuEngine cpu(*model, {32, 4}, c);

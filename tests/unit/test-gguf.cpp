@@ -5,6 +5,7 @@
 #include "core/error.h"
 #include "../common/gguf-writer.h"
 
+#include <unistd.h>
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -18,7 +19,7 @@ using prescope::test::GgufWriter;
 namespace {
 
 std::string tmp_path(const std::string &name) {
-    return (std::filesystem::temp_directory_path() / ("prescope-test-" + name)).string();
+    return (std::filesystem::temp_directory_path() / ("prescope-test-" + std::to_string(getpid()) + "-" + name)).string();
 }
 
 std::vector<uint8_t> f32_bytes(const std::vector<float> &v) {

@@ -5,6 +5,7 @@
 #include "runtime/context.h"
 #include "../common/tiny-model.h"
 
+#include <unistd.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -17,7 +18,7 @@ using prescope::test::TinyModelSpec;
 namespace {
 
 std::string write(const std::string &name, const TinyModelSpec &spec) {
-    const std::string p = (std::filesystem::temp_directory_path() / ("prescope-model-" + name + ".gguf")).string();
+    const std::string p = (std::filesystem::temp_directory_path() / ("prescope-model-" + std::to_string(getpid()) + "-" + name + ".gguf")).string();
     prescope::test::write_tiny_model(p, spec);
     return p;
 }

@@ -10,6 +10,7 @@
 #include "backend/cuda/cuda-backend.h"
 #endif
 
+#include <unistd.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -33,7 +34,7 @@ std::string error_of(const std::function<void()> &f) {
 }
 
 fs::path write_file(const std::string &name, const std::string &text) {
-    const fs::path p = fs::temp_directory_path() / name;
+    const fs::path p = fs::temp_directory_path() / (std::to_string(getpid()) + "-" + name);
     std::ofstream(p) << text;
     return p;
 }
@@ -122,7 +123,7 @@ TEST(RoutingReplay, LayersRunTheTracesExpertsInTokenOrderAndWrap) {
         t.append_token(uint32_t(i), ids, w);
     }
     t.sequences.push_back({"s", "test", n_tok});
-    const fs::path path = fs::temp_directory_path() / "prescope-unit-replay.pstrace";
+    const fs::path path = fs::temp_directory_path() / ("prescope-unit-replay-" + std::to_string(getpid()) + ".pstrace");
     write_trace(path.string(), t);
 
     OffloadConfig c;
@@ -148,7 +149,7 @@ TEST(RoutingReplay, LayersRunTheTracesExpertsInTokenOrderAndWrap) {
     EXPECT_EQ(seen, want);
     for (float w : weights) EXPECT_FLOAT_EQ(w, 128.0f / 255.0f);  // round(0.5 * 255) / 255
     EXPECT_NE(engine.startup_text().find("REPLAYED"), std::string::npos);
-    EXPECT_EQ(engine.stats_json()["routing"], "replayed:prescope-unit-replay.pstrace");
+    EXPECT_EQ(engine.stats_json()["routing"], "replayed:" + path.filename().string());
 
     HParams wrong = hp;
     wrong.n_layer += 1;
