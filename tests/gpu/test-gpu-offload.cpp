@@ -2,6 +2,8 @@
 // the tiny test models, greedy tokens identical to the references and to the CPU engine, and offloading that
 // does not change the result (a budget holding every expert against one holding a layer's top-k). Exits 77
 // (CTest: skipped) when no CUDA device is usable, so CPU-only machines stay green.
+#include "../common/random-trace.h"
+#include "../common/reference-files.h"
 #include "arch/arch.h"
 #include "backend/cuda/cuda-backend.h"
 #include "core/error.h"
@@ -18,36 +20,16 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
-#include <numeric>
-#include <random>
 
 using namespace prescope;
 namespace fs = std::filesystem;
 using nlohmann::json;
+using prescope::test::read_f32;
+using prescope::test::read_json;
+using prescope::test::reference_files;
+using prescope::test::reference_name;
 
 namespace {
-
-std::vector<fs::path> reference_files() {
-    std::vector<fs::path> out;
-    for (const auto &e : fs::recursive_directory_iterator(fs::path(PRESCOPE_SOURCE_DIR) / "tests/data/models")) {
-        if (e.path().filename().string().ends_with(".ref.json")) out.push_back(e.path());
-    }
-    std::sort(out.begin(), out.end());
-    return out;
-}
-
-json read_json(const fs::path &p) {
-    std::ifstream in(p);
-    return json::parse(in);
-}
-
-std::vector<float> read_f32(const fs::path &p) {
-    std::ifstream in(p, std::ios::binary);
-    std::vector<float> v(fs::file_size(p) / 4);
-    in.read(reinterpret_cast<char *>(v.data()), std::streamsize(v.size() * 4));
-    return v;
-}
 
 /// Bytes of a budget holding `per_layer` slots in every layer.
 uint64_t budget_for(const Model &model, int64_t per_layer) {
@@ -98,11 +80,6 @@ double max_abs_diff(const std::vector<float> &a, const std::vector<float> &b) {
 
 class GpuReference : public ::testing::TestWithParam<fs::path> {};
 
-std::string param_name(const ::testing::TestParamInfo<fs::path> &info) {
-    std::string s = info.param.parent_path().filename().string() + "_" + info.param.filename().string();
-    for (char &c : s) c = std::isalnum(static_cast<unsigned char>(c)) ? c : '_';
-    return s;
-}
 
 } // namespace
 
@@ -151,7 +128,7 @@ TEST_P(GpuReference, GreedyTokensIdenticalToTheReferenceAtEveryBudget) {
     EXPECT_EQ(none.cache().total_stats().cpu_runs, none.cache().total_stats().accesses());
 }
 
-INSTANTIATE_TEST_SUITE_P(Models, GpuReference, ::testing::ValuesIn(reference_files()), param_name);
+INSTANTIATE_TEST_SUITE_P(Models, GpuReference, ::testing::ValuesIn(reference_files()), reference_name);
 
 // With every miss fetched (cpu_threshold 0), decode steps run the same kernels on the same bytes whatever
 // the budget: the offloaded run equals the resident run exactly (docs/style R7's key invariant).
@@ -228,29 +205,10 @@ TEST(GpuOffload, ReplayedRoutingIsWhatTheLayersRun) {
     const auto model =
         Model::load((fs::path(PRESCOPE_SOURCE_DIR) / "tests/data/models/mixtral/tiny-f32.gguf").string());
     const HParams &hp = model->hp();
-    RoutingTrace t;
-    t.model = "random";
-    t.arch = hp.arch;
-    t.n_layer = int32_t(hp.n_layer);
-    t.n_expert = int32_t(hp.n_expert);
-    t.top_k = int32_t(hp.n_expert_used);
-    std::mt19937 rng(3);
     const int n_tok = 9;
-    for (int i = 0; i < n_tok; ++i) {
-        std::vector<int32_t> ids;
-        std::vector<float> w;
-        for (int64_t l = 0; l < hp.n_layer; ++l) {
-            std::vector<int32_t> all(size_t(hp.n_expert));
-            std::iota(all.begin(), all.end(), 0);
-            std::shuffle(all.begin(), all.end(), rng);
-            for (int64_t j = 0; j < hp.n_expert_used; ++j) {
-                ids.push_back(all[size_t(j)]);
-                w.push_back(1.0f / float(hp.n_expert_used));
-            }
-        }
-        t.append_token(uint32_t(i), ids, w);
-    }
-    t.sequences.push_back({"s", "test", n_tok});
+    RoutingTrace t = test::random_trace(int32_t(hp.n_layer), int32_t(hp.n_expert), int32_t(hp.n_expert_used), {n_tok},
+                                        3, [&hp](int32_t) { return 1.0f / float(hp.n_expert_used); });
+    t.arch = hp.arch;
     const fs::path path = fs::temp_directory_path() / ("prescope-test-replay-" + std::to_string(getpid()) + ".pstrace");
     write_trace(path.string(), t);
 

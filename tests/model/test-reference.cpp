@@ -1,6 +1,7 @@
 // Model tests against independent references (tests/data/models/*/*.ref.json, made by
 // tools/py/make_tiny_models.py with HF transformers on the same weights, docs/references.md):
 // logits at every position within the stated tolerance, and identical greedy tokens.
+#include "../common/reference-files.h"
 #include "arch/arch.h"
 #include "runtime/context.h"
 #include "runtime/perplexity.h"
@@ -17,30 +18,12 @@
 
 namespace fs = std::filesystem;
 using nlohmann::json;
+using prescope::test::read_f32;
+using prescope::test::read_json;
+using prescope::test::reference_files;
+using prescope::test::reference_name;
 
 namespace {
-
-std::vector<fs::path> reference_files() {
-    std::vector<fs::path> out;
-    for (const auto &e : fs::recursive_directory_iterator(fs::path(PRESCOPE_SOURCE_DIR) / "tests/data/models")) {
-        const std::string name = e.path().filename().string();
-        if (name.size() > 9 && name.ends_with(".ref.json")) out.push_back(e.path());
-    }
-    std::sort(out.begin(), out.end());
-    return out;
-}
-
-json read_json(const fs::path &p) {
-    std::ifstream in(p);
-    return json::parse(in);
-}
-
-std::vector<float> read_f32(const fs::path &p) {
-    std::ifstream in(p, std::ios::binary);
-    std::vector<float> v(fs::file_size(p) / 4);
-    in.read(reinterpret_cast<char *>(v.data()), std::streamsize(v.size() * 4));
-    return v;
-}
 
 /// Length of the valid UTF-8 sequence starting at s[i], or 0 (Unicode 15 Table 3-7 well-formed sequences).
 size_t utf8_valid_len(const std::string &s, size_t i) {
@@ -79,13 +62,6 @@ std::string backslash_replace(const std::string &s) {
 
 class Reference : public ::testing::TestWithParam<fs::path> {};
 
-std::string param_name(const ::testing::TestParamInfo<fs::path> &info) {
-    std::string s = info.param.parent_path().filename().string() + "_" + info.param.filename().string();
-    for (char &c : s) {
-        if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
-    }
-    return s;
-}
 
 } // namespace
 
@@ -155,4 +131,4 @@ TEST_P(Reference, PerplexityWithinHalfPercentOfLlamaCpp) {
     EXPECT_LE(std::fabs(r.ppl - theirs) / theirs, 0.005) << "ours " << r.ppl << ", llama.cpp " << theirs;
 }
 
-INSTANTIATE_TEST_SUITE_P(Models, Reference, ::testing::ValuesIn(reference_files()), param_name);
+INSTANTIATE_TEST_SUITE_P(Models, Reference, ::testing::ValuesIn(reference_files()), reference_name);

@@ -1,4 +1,5 @@
 // Hot-expert table: hits and misses, eviction policies, pins, budgets, counters (bookkeeping only, no backend).
+#include "../common/error-of.h"
 #include "core/error.h"
 #include "offload/byte-size.h"
 #include "offload/expert-cache.h"
@@ -11,6 +12,7 @@
 #include <set>
 
 using namespace prescope;
+using prescope::test::error_of;
 
 namespace {
 
@@ -32,15 +34,6 @@ ExpertCacheConfig config(int32_t n_layers, int32_t n_experts, int32_t top_k, int
 void step(ExpertCache &cache, int32_t layer, std::initializer_list<int32_t> experts) {
     for (int32_t e : experts) cache.acquire(layer, e);
     cache.release_layer(layer);
-}
-
-std::string error_of(const std::function<void()> &f) {
-    try {
-        f();
-    } catch (const Error &e) {
-        return e.what();
-    }
-    return "";
 }
 
 const EvictionPolicyKind kPolicies[] = {EvictionPolicyKind::LRU, EvictionPolicyKind::LFU, EvictionPolicyKind::ARC};

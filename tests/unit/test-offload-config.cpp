@@ -1,5 +1,7 @@
 // Offloading settings (offload/offload-config.h: YAML file, then flags), routing-trace replay
 // (runtime/routing-replay.h) through the CPU engine, and the engine and predictor factories (runtime/engine.h).
+#include "../common/random-trace.h"
+#include "../common/error-of.h"
 #include "arch/arch.h"
 #include "core/error.h"
 #include "offload/offload-config.h"
@@ -16,22 +18,12 @@
 
 #include <filesystem>
 #include <fstream>
-#include <numeric>
-#include <random>
 
 using namespace prescope;
+using prescope::test::error_of;
 namespace fs = std::filesystem;
 
 namespace {
-
-std::string error_of(const std::function<void()> &f) {
-    try {
-        f();
-    } catch (const Error &e) {
-        return e.what();
-    }
-    return "(no error)";
-}
 
 fs::path write_file(const std::string &name, const std::string &text) {
     const fs::path p = fs::temp_directory_path() / (std::to_string(getpid()) + "-" + name);
@@ -100,29 +92,10 @@ TEST(OffloadConfig, YamlFileThenFlagsOverride) {
 TEST(RoutingReplay, LayersRunTheTracesExpertsInTokenOrderAndWrap) {
     const auto model = tiny("mixtral");
     const HParams &hp = model->hp();
-    RoutingTrace t;
-    t.model = "random";
-    t.arch = hp.arch;
-    t.n_layer = int32_t(hp.n_layer);
-    t.n_expert = int32_t(hp.n_expert);
-    t.top_k = int32_t(hp.n_expert_used);
-    std::mt19937 rng(5);
     const int n_tok = 6;
-    for (int i = 0; i < n_tok; ++i) {
-        std::vector<int32_t> ids;
-        std::vector<float> w;
-        for (int64_t l = 0; l < hp.n_layer; ++l) {
-            std::vector<int32_t> e(size_t(hp.n_expert));
-            std::iota(e.begin(), e.end(), 0);
-            std::shuffle(e.begin(), e.end(), rng);
-            for (int64_t j = 0; j < hp.n_expert_used; ++j) {
-                ids.push_back(e[size_t(j)]);
-                w.push_back(0.5f);
-            }
-        }
-        t.append_token(uint32_t(i), ids, w);
-    }
-    t.sequences.push_back({"s", "test", n_tok});
+    RoutingTrace t = test::random_trace(int32_t(hp.n_layer), int32_t(hp.n_expert), int32_t(hp.n_expert_used), {n_tok},
+                                        5, [](int32_t) { return 0.5f; });
+    t.arch = hp.arch;
     const fs::path path = fs::temp_directory_path() / ("prescope-unit-replay-" + std::to_string(getpid()) + ".pstrace");
     write_trace(path.string(), t);
 

@@ -1,4 +1,5 @@
 // Placement plan (JSON round trip, errors, llama.cpp --n-cpu-moe form) and the hybrid HIT/FETCH/CPU rule.
+#include "../common/error-of.h"
 #include "core/error.h"
 #include "offload/expert-cache.h"
 #include "offload/placement.h"
@@ -11,17 +12,9 @@
 #include <random>
 
 using namespace prescope;
+using prescope::test::error_of;
 
 namespace {
-
-std::string error_of(const std::function<void()> &f) {
-    try {
-        f();
-    } catch (const Error &e) {
-        return e.what();
-    }
-    return "";
-}
 
 ExpertCacheConfig cache_config(int32_t n_layers, int32_t n_experts, int32_t top_k, int32_t slots_per_layer) {
     ExpertCacheConfig c;

@@ -1,6 +1,7 @@
 // Expert predictors: metrics on hand-made traces with known answers, the cache replay, gradient checks of the
 // LLaPor networks, learning planted structure better than frequency (and, with the routers as a prior, better
 // than Fate where Fate is biased), save/load, Fate against the real router, and the layer-group measurement.
+#include "../common/random-trace.h"
 #include "arch/arch.h"
 #include "core/error.h"
 #include "offload/predictor-baselines.h"
@@ -170,22 +171,30 @@ TEST(Predictor, PredictSumsScoresOverTokens) {
 namespace {
 
 RoutingTrace random_trace(int32_t L, int32_t E, int32_t K, int n_seq, int len, uint32_t seed) {
-    RoutingTrace t = empty_trace(L, E, K);
-    std::mt19937 rng(seed);
-    for (int s = 0; s < n_seq; ++s) {
-        t.sequences.push_back({"s" + std::to_string(s), "test", 0});
-        for (int i = 0; i < len; ++i) {
-            std::vector<std::vector<int32_t>> layers;
-            for (int32_t l = 0; l < L; ++l) {
-                std::vector<int32_t> perm(static_cast<size_t>(E));
-                std::iota(perm.begin(), perm.end(), 0);
-                std::shuffle(perm.begin(), perm.end(), rng);
-                layers.emplace_back(perm.begin(), perm.begin() + K);
-            }
-            add_token(t, layers);
-        }
+    return test::random_trace(L, E, K, std::vector<int64_t>(size_t(n_seq), len), seed, [](int32_t) { return 0.5f; });
+}
+
+/// Every parameter of ps drawn uniformly from [-a, a] (also those that start at zero, e.g. the LSTM's skip rows).
+void randomize(nn::ParamSet &ps, std::mt19937 &rng, float a) {
+    std::uniform_real_distribution<float> u(-a, a);
+    for (size_t i = 0; i < ps.size(); ++i) {
+        for (auto &v : ps[i].value) v = u(rng);
     }
-    return t;
+}
+
+/// The small MLP of the gradient checks: 4 layers, 6 experts, top-2, window 2, groups {0}, {1, 2}, {3}
+/// (group 1 is deep: gated residual block), width 5, dropout 0.25.
+LlaporConfig small_mlp_config(const std::string &kind, int64_t dim, int64_t pca_dim) {
+    LlaporConfig c;
+    c.kind = kind;
+    c.shape = {4, 6, 2};
+    c.window = 2;
+    c.group_start = {0, 1, 3};
+    c.hidden = 5;
+    c.dim = dim;
+    c.pca_dim = pca_dim;
+    c.dropout = 0.25f;
+    return c;
 }
 
 // Compares analytic gradients with central differences on a few entries of every tensor in
@@ -227,10 +236,7 @@ TEST(LlaporNn, LstmGradientsMatchFiniteDifferences) {
     c.hidden = 4;
     LlaporLstmNet net(c, 3);
     std::mt19937 rng(1);
-    std::uniform_real_distribution<float> u(-0.5f, 0.5f);
-    for (size_t i = 0; i < net.params().size(); ++i) {
-        for (auto &v : net.params()[i].value) v = u(rng);  // also the skip weights, zero at initialisation
-    }
+    randomize(net.params(), rng, 0.5f);
     std::vector<int64_t> tokens{0, 1, 2, 3, 4, 5};
     std::vector<uint8_t> has_prev{0, 1, 1, 0, 1, 1};
     check_gradients(net.params(), [&](bool grad) { return lstm_loss(net, t, tokens, has_prev, grad); });
@@ -238,21 +244,10 @@ TEST(LlaporNn, LstmGradientsMatchFiniteDifferences) {
 
 TEST(LlaporNn, MlpGradientsMatchFiniteDifferences) {
     const RoutingTrace t = random_trace(4, 6, 2, 1, 5, 12);
-    LlaporConfig c;
-    c.kind = "llapor-mlp";
-    c.shape = {4, 6, 2};
-    c.window = 2;
-    c.group_start = {0, 1, 3};  // group 1 (layers 1-2) is deep: gated residual block
-    c.hidden = 5;
-    c.dim = 6;
-    c.pca_dim = 4;
-    c.dropout = 0.25f;
-    LlaporMlpNet net(c, 4);
+    LlaporMlpNet net(small_mlp_config("llapor-mlp", 6, 4), 4);
     std::mt19937 rng(2);
+    randomize(net.params(), rng, 0.6f);
     std::uniform_real_distribution<float> u(-0.6f, 0.6f);
-    for (size_t i = 0; i < net.params().size(); ++i) {
-        for (auto &v : net.params()[i].value) v = u(rng);
-    }
     std::vector<float> x(5 * 6);
     for (auto &v : x) v = u(rng) * 3;
     for (int32_t layer : {0, 1}) {
@@ -303,15 +298,7 @@ TEST(LlaporNn, NegativesLossGradientAndLargeLogits) {
 namespace {
 
 LlaporConfig prior_config(bool correction, const std::string &drift) {
-    LlaporConfig c;
-    c.kind = "llapor-mlp-prior";
-    c.shape = {4, 6, 2};
-    c.window = 2;
-    c.group_start = {0, 1, 3};  // group 1 (layers 1-2) is deep: gated residual block
-    c.hidden = 5;
-    c.dim = 3;
-    c.pca_dim = 3;
-    c.dropout = 0.25f;
+    LlaporConfig c = small_mlp_config("llapor-mlp-prior", 3, 3);
     c.drift = drift;
     c.correction = correction;
     return c;
@@ -367,10 +354,8 @@ TEST(LlaporNn, MlpPriorGradientsMatchFiniteDifferences) {
     const RoutingTrace t = random_trace(4, 6, 2, 1, 5, 13);
     LlaporMlpNet net(prior_config(true, "previous"), 5);
     std::mt19937 rng(2);
+    randomize(net.params(), rng, 0.6f);
     std::uniform_real_distribution<float> u(-0.6f, 0.6f);
-    for (size_t i = 0; i < net.params().size(); ++i) {
-        for (auto &v : net.params()[i].value) v = u(rng);
-    }
     std::vector<float> x(5 * 3), prev(5 * 3 * 3);
     for (auto &v : x) v = u(rng) * 3;
     for (auto &v : prev) v = u(rng) * 3;
@@ -437,11 +422,11 @@ RoutingTrace chained_trace(int n_seq, int len, uint32_t seed) {
     return t;
 }
 
-double recall_d1(ScoringPredictor *p, const RoutingTrace &t, const HiddenTrace *h = nullptr) {
+/// recall@k of p on t at distance d (window 2), with the router inputs h where p reads them.
+double recall_at(ScoringPredictor *p, const RoutingTrace &t, const HiddenTrace *h, int32_t d = 1) {
     EvalOptions o;
     o.window = 2;
-    const EvalResult r = evaluate_predictor(p, t, h, o, "test");
-    const EvalCell c = r.sum(1, 1, t.n_layer);
+    const EvalCell c = evaluate_predictor(p, t, h, o, "test").sum(d, d, t.n_layer);
     return c.recall / double(c.n);
 }
 
@@ -460,7 +445,7 @@ TEST(LlaporTrain, LstmLearnsPlantedChainAndBeatsFrequency) {
     const TrainResult r = train_llapor(train, nullptr, o);
     LlaporLstmPredictor lstm(std::make_shared<LlaporLstmNet>(r.config, r.params));
     FrequencyPredictor freq({6, 16, 2}, 1.0);
-    const double rl = recall_d1(&lstm, test), rf = recall_d1(&freq, test);
+    const double rl = recall_at(&lstm, test, nullptr), rf = recall_at(&freq, test, nullptr);
     EXPECT_GT(rl, 0.8) << "frequency " << rf;
     EXPECT_GT(rl, rf + 0.4);
 
@@ -522,14 +507,14 @@ TEST(LlaporTrain, MlpLearnsPlantedHiddenStatesAndBeatsFrequency) {
     const TrainResult r = train_llapor(train, &htrain, o);
     LlaporMlpPredictor mlp(std::make_shared<LlaporMlpNet>(r.config, r.params));
     FrequencyPredictor freq({4, 16, 2}, 1.0);
-    const double rm = recall_d1(&mlp, test, &htest), rf = recall_d1(&freq, test, &htest);
+    const double rm = recall_at(&mlp, test, &htest), rf = recall_at(&freq, test, &htest);
     EXPECT_GT(rm, 0.8) << "frequency " << rf;
     EXPECT_GT(rm, rf + 0.4);
 
     const fs::path p = tmp_file("mlp.pred");
     save_llapor(p.string(), r.config, r.params);
     auto loaded = load_llapor(p.string());
-    EXPECT_DOUBLE_EQ(recall_d1(loaded.get(), test, &htest), rm);
+    EXPECT_DOUBLE_EQ(recall_at(loaded.get(), test, &htest), rm);
 }
 
 namespace {
@@ -617,13 +602,6 @@ struct DriftWorld {
     }
 };
 
-double recall_at(ScoringPredictor *p, const RoutingTrace &t, const HiddenTrace &h, int32_t d) {
-    EvalOptions o;
-    o.window = 2;
-    const EvalCell c = evaluate_predictor(p, t, &h, o, "test").sum(d, d, t.n_layer);
-    return c.recall / double(c.n);
-}
-
 } // namespace
 
 // Fate is biased by the drift of the router input and by the previous token's share of it; the prior's drift
@@ -639,8 +617,8 @@ TEST(LlaporTrain, PriorLearnsTheDriftAndBeatsFate) {
     LlaporMlpPredictor pcur(std::make_shared<LlaporMlpNet>(cur.config, cur.params));
     LlaporMlpPredictor pprev(std::make_shared<LlaporMlpNet>(prev.config, prev.params));
     for (int32_t d : {1, 2}) {
-        const double rf = recall_at(&fate, test, htest, d), rc = recall_at(&pcur, test, htest, d),
-                     rp = recall_at(&pprev, test, htest, d);
+        const double rf = recall_at(&fate, test, &htest, d), rc = recall_at(&pcur, test, &htest, d),
+                     rp = recall_at(&pprev, test, &htest, d);
         EXPECT_GT(rc, rf + 0.05) << "distance " << d;
         EXPECT_GT(rp, rc + 0.03) << "distance " << d << ", fate " << rf;
     }
@@ -651,7 +629,7 @@ TEST(LlaporTrain, PriorLearnsTheDriftAndBeatsFate) {
     auto loaded = load_llapor(p.string(), 1, &cfg);
     EXPECT_EQ(cfg.to_json(), prev.config.to_json());
     EXPECT_STREQ(loaded->name(), "llapor-mlp-prior");
-    EXPECT_DOUBLE_EQ(recall_at(loaded.get(), test, htest, 2), recall_at(&pprev, test, htest, 2));
+    EXPECT_DOUBLE_EQ(recall_at(loaded.get(), test, &htest, 2), recall_at(&pprev, test, &htest, 2));
 
     // The runtime never calls after the last layer: the decode form is still used where the previous token's
     // inputs are known (layer 0 needs layers 0-2 of it) and the form without them where not (layer 2 needs 3).
@@ -705,13 +683,13 @@ TEST(LlaporTrain, PriorCorrectionLearnsWhatFateMisses) {
     const TrainResult r = w.train(train, htrain, "none", true, 6);
     EXPECT_TRUE(r.config.correction) << r.config.notes.dump();
     LlaporMlpPredictor prior(std::make_shared<LlaporMlpNet>(r.config, r.params));
-    const double rf = recall_at(&fate, test, htest, 1), rp = recall_at(&prior, test, htest, 1);
+    const double rf = recall_at(&fate, test, &htest, 1), rp = recall_at(&prior, test, &htest, 1);
     EXPECT_GT(rp, rf + 0.1);
 
     const fs::path p = tmp_file("prior-mlp.pred");
     save_llapor(p.string(), r.config, r.params);
     auto loaded = load_llapor(p.string());
-    EXPECT_DOUBLE_EQ(recall_at(loaded.get(), test, htest, 1), rp);
+    EXPECT_DOUBLE_EQ(recall_at(loaded.get(), test, &htest, 1), rp);
 }
 
 TEST(LlaporFile, RejectsDamagedFiles) {

@@ -1,5 +1,6 @@
 // Routing traces (docs/trace-format.md): round trips, the byte layout, rejection of damaged files, prompt files,
 // splits, and the recorder on a tiny model (the recorded router inputs reproduce the recorded routing).
+#include "../common/random-trace.h"
 #include "arch/arch.h"
 #include "core/error.h"
 #include "offload/trace.h"
@@ -13,7 +14,6 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <numeric>
 #include <random>
 #include <unistd.h>
 
@@ -28,26 +28,10 @@ fs::path tmp_dir() {
     return d;
 }
 
-RoutingTrace random_trace(int32_t L, int32_t E, int32_t K, std::vector<int64_t> seq_lens, uint32_t seed) {
-    RoutingTrace t;
-    t.model = "test", t.arch = "qwen3moe", t.created_by = "test-trace";
-    t.n_layer = L, t.n_expert = E, t.top_k = K;
-    std::mt19937 rng(seed);
-    for (size_t s = 0; s < seq_lens.size(); ++s) {
-        t.sequences.push_back({"s" + std::to_string(s), s % 2 ? "gsm8k" : "test-split", seq_lens[s]});
-        for (int64_t i = 0; i < seq_lens[s]; ++i) {
-            std::vector<int32_t> ids;
-            std::vector<float> w;
-            for (int32_t l = 0; l < L; ++l) {
-                std::vector<int32_t> perm(static_cast<size_t>(E));
-                std::iota(perm.begin(), perm.end(), 0);
-                std::shuffle(perm.begin(), perm.end(), rng);
-                for (int32_t j = 0; j < K; ++j) ids.push_back(perm[size_t(j)]), w.push_back(float(K - j) / float(K * (K + 1) / 2));
-            }
-            t.append_token(rng() % 50000, ids, w);
-        }
-    }
-    return t;
+// Random routing with gate weights decreasing over the top-k, as a router's are.
+RoutingTrace random_trace(int32_t L, int32_t E, int32_t K, const std::vector<int64_t> &seq_lens, uint32_t seed) {
+    return test::random_trace(L, E, K, seq_lens, seed,
+                              [K](int32_t j) { return float(K - j) / float(K * (K + 1) / 2); });
 }
 
 std::string raw_of(const fs::path &p) {
