@@ -84,6 +84,7 @@ class ExpertCache {
     uint64_t slot_bytes() const { return slot_bytes_; }
     uint64_t expert_bytes(int32_t layer, int32_t expert) const;
     EvictionPolicyKind policy() const { return config_.policy; }
+    /// Experts each token routes to (ExpertCacheConfig::top_k).
     int32_t top_k() const { return config_.top_k; }
 
     /// The slot holding the expert (resident or being loaded), or -1. No counters, no policy update.

@@ -47,17 +47,21 @@ Context::Context(const Model &model, ContextParams params, ExpertExecutor *execu
     logits_.reserve(size_t(hp.n_vocab));
 }
 
-void Context::eval(std::span<const int32_t> tokens, bool all_logits) {
-    const HParams &hp = model_.hp();
+void check_eval_input(const HParams &hp, std::span<const int32_t> tokens, int64_t n_past, int64_t n_ctx) {
     const auto n = int64_t(tokens.size());
     if (n == 0) fail("eval: no tokens to evaluate");
-    if (n_past_ + n > params_.n_ctx) {
-        fail("{} tokens at position {} do not fit the context of {} tokens (use a larger -c)", n, n_past_,
-             params_.n_ctx);
+    if (n_past + n > n_ctx) {
+        fail("{} tokens at position {} do not fit the context of {} tokens (use a larger -c)", n, n_past, n_ctx);
     }
     for (int32_t t : tokens) {
         if (t < 0 || t >= hp.n_vocab) fail("token id {} is outside the vocabulary [0, {})", t, hp.n_vocab);
     }
+}
+
+void Context::eval(std::span<const int32_t> tokens, bool all_logits) {
+    const HParams &hp = model_.hp();
+    const auto n = int64_t(tokens.size());
+    check_eval_input(hp, tokens, n_past_, params_.n_ctx);
     logits_.resize(size_t((all_logits ? n : 1) * hp.n_vocab));
     for (int64_t i = 0; i < n; i += params_.n_batch) {
         const int64_t m = std::min(params_.n_batch, n - i);

@@ -18,6 +18,10 @@ struct ContextParams {
     int64_t n_batch = 512;  // tokens per forward pass; longer inputs are split
 };
 
+/// The checks every engine's eval() makes before it runs: tokens not empty, each inside the vocabulary, and
+/// fitting the context (n_past + tokens.size() <= n_ctx). Throws prescope::Error saying which failed.
+void check_eval_input(const HParams &hp, std::span<const int32_t> tokens, int64_t n_past, int64_t n_ctx);
+
 /// One sequence's state. Buffers are allocated once here; eval() allocates nothing per token.
 class Context {
   public:

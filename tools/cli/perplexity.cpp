@@ -34,6 +34,7 @@ void register_perplexity(CLI::App &app) {
         ss << in.rdbuf();
         const std::vector<int32_t> tokens = tok.encode(ss.str(), /*add_special=*/true, /*parse_special=*/false);
         const int64_t n_ctx = a->common.n_ctx;
+        // Before the Context: -c 0 would otherwise mean "the model's context" there and a batch of 0 tokens.
         if (n_ctx < 3) {
             fail("perplexity needs a context of at least 3 tokens (it scores each chunk's second half), got -c {}",
                  n_ctx);

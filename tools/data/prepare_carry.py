@@ -18,6 +18,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from build_corpus import sha256_file  # same folder: run as python3 tools/data/prepare_carry.py
+
 WHEELS = ["gguf==0.19.0", "zstandard==0.25.0"]
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
              "manylinux1_x86_64"]
@@ -54,14 +56,6 @@ def write_xz(path, lines):
     with lzma.open(path, "wt", encoding="utf-8", preset=9) as f:
         for line in lines:
             f.write(line)
-
-
-def sha256_file(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def main():

@@ -27,22 +27,11 @@ from pathlib import Path
 
 import gguf
 
+from byte_level import byte_alphabet  # tools/py, next to this script
+
 REPO = Path(__file__).resolve().parents[2]
 PPL_TEXT = "tests/data/text/wikipedia-20k.txt"
 THREADS = 2
-
-
-def byte_decoder() -> dict[str, int]:
-    """Inverse of GPT-2's bytes_to_unicode: the byte each printable stand-in character means."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
 
 
 def token_pieces(model: Path) -> list[bytes]:
@@ -53,7 +42,7 @@ def token_pieces(model: Path) -> list[bytes]:
     types = r.fields["tokenizer.ggml.token_type"].contents()
     out = []
     if kind == "gpt2":
-        dec = byte_decoder()
+        dec = {c: b for b, c in enumerate(byte_alphabet())}
         for t, ty in zip(tokens, types):
             out.append(t.encode() if ty in (gguf.TokenType.CONTROL, gguf.TokenType.USER_DEFINED)
                        else bytes(dec[c] for c in t))

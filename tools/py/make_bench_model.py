@@ -20,23 +20,11 @@ import numpy as np
 
 import gguf
 
+from byte_level import byte_alphabet  # tools/py, next to this script
+
 N_EMBD, N_HEAD, N_HEAD_KV, HEAD_DIM = 2048, 32, 4, 128
 N_EXPERT, N_EXPERT_USED, N_FF_EXP, N_VOCAB, N_CTX = 128, 8, 768, 151936, 40960
 STD = 0.02
-
-
-def byte_alphabet() -> list[str]:
-    """GPT-2 bytes_to_unicode(): the 256 byte-level characters, in byte order."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    table = dict(zip(bs, cs))
-    return [chr(table[b]) for b in range(256)]
 
 
 class Pool:
