@@ -95,7 +95,7 @@ LlaporLstmNet::LlaporLstmNet(LlaporConfig cfg, uint64_t seed) : cfg_(std::move(c
     const int64_t H = cfg_.hidden, n_in = cfg_.lstm_inputs(), WE = int64_t(cfg_.window) * shape().n_experts;
     const float s = 1.0f / std::sqrt(float(H));
     for (int32_t g = 0; g < cfg_.n_groups(); ++g) {
-        const std::string p = "g" + std::to_string(g) + ".";
+        const std::string p = fmt::format("g{}.", g);
         ps_.add(p + "wx", {n_in, 4 * H}, s, seed + 10 * uint64_t(g) + 1);
         ps_.add(p + "wh", {4 * H, H}, s, seed + 10 * uint64_t(g) + 2);
         const size_t b = ps_.add(p + "b", {4 * H}, 0.0f, 0);
@@ -224,7 +224,7 @@ LlaporMlpNet::LlaporMlpNet(LlaporConfig cfg, uint64_t seed) : cfg_(std::move(cfg
         }
     }
     for (int32_t g = 0; g < cfg_.n_groups(); ++g) {
-        const std::string p = "g" + std::to_string(g) + ".";
+        const std::string p = fmt::format("g{}.", g);
         const uint64_t sd = seed + 16 * uint64_t(g);
         if (cfg_.has_mlp()) {
             ps_.add(p + "w1", {H, P}, 1.0f / std::sqrt(float(P)), sd + 1);
