@@ -544,7 +544,7 @@ void fit_prior_scale(LlaporMlpNet &net, const MlpData &data, std::span<const int
         for (int32_t d = 1; d <= W && l + d < L; ++d) {
             const float s = fit_logit_scale(data, sub, l + d, m.prior.data() + (d - 1) * c.shape.n_experts, WE, loss_fn);
             for (int32_t g = 0; g < c.n_groups(); ++g) {
-                net.params().get("g" + std::to_string(g) + ".ps").value[size_t(l * W + d - 1)] = s;
+                net.params().get(fmt::format("g{}.ps", g)).value[size_t(l * W + d - 1)] = s;
             }
         }
     }

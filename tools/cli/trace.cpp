@@ -153,7 +153,7 @@ void register_trace(CLI::App &app) {
     cmd->callback([a, cmd]() {
         a->command_line = "prescope trace";
         for (const auto &opt : cmd->get_options()) {
-            for (const auto &r : opt->results()) a->command_line += " " + opt->get_name() + " " + r;
+            for (const auto &r : opt->results()) a->command_line += fmt::format(" {} {}", opt->get_name(), r);
         }
         run_trace(*a);
     });
