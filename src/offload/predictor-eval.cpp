@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <limits>
 #include <memory>
 #include <numeric>
 
@@ -42,6 +43,20 @@ std::vector<GroupRange> group_ranges(const std::vector<int32_t> &g, int32_t L) {
 
 double ratio(double a, int64_t b) { return b ? a / double(b) : 0.0; }
 
+/// One token's demand accesses to layer l in the runtime's order (ExpertLoader::begin_layer over decide_layer's
+/// ascending ids): the resident experts first, then the misses, so that a load never evicts an expert the same
+/// token is about to use. ids: the token's top-k; sorted: scratch of the same size.
+void acquire_like_runtime(ExpertCache &cache, int32_t l, const std::vector<int32_t> &ids, std::vector<int32_t> &sorted) {
+    sorted = ids;
+    std::sort(sorted.begin(), sorted.end());
+    for (int pass = 0; pass < 2; ++pass) {
+        for (const int32_t e : sorted) {
+            if ((cache.find(l, e) >= 0) == (pass == 0)) cache.acquire(l, e);
+        }
+    }
+    cache.release_layer(l);
+}
+
 } // namespace
 
 nlohmann::json EvalResult::to_json() const {
@@ -66,7 +81,8 @@ nlohmann::json EvalResult::to_json() const {
     if (cache_slots > 0) {
         j["cache"] = {{"slots_per_layer", cache_slots}, {"policy", policy}, {"hit_rate", hit_rate},
                       {"prefetch_hit_share", prefetch_hit_share}, {"prefetch_loads", prefetch_loads},
-                      {"demand_misses", demand_misses}, {"accesses", accesses}};
+                      {"demand_misses", demand_misses}, {"accesses", accesses},
+                      {"belady_hit_rate", belady_hit_rate}};
     }
     return j;
 }
@@ -87,8 +103,10 @@ std::string EvalResult::table() const {
     }
     if (cache_slots > 0) {
         s += fmt::format("cache replay: {} slots per layer ({}), hit rate {:.4f} ({} accesses, {} demand misses, "
-                         "{} prefetch loads, {:.4f} of hits from prefetches)\n",
-                         cache_slots, policy, hit_rate, accesses, demand_misses, prefetch_loads, prefetch_hit_share);
+                         "{} prefetch loads, {:.4f} of hits from prefetches); offline optimum without prefetching "
+                         "(Belady) {:.4f}\n",
+                         cache_slots, policy, hit_rate, accesses, demand_misses, prefetch_loads, prefetch_hit_share,
+                         belady_hit_rate);
     }
     return s;
 }
@@ -135,7 +153,8 @@ EvalResult evaluate_predictor(ScoringPredictor *p, const RoutingTrace &t, const 
     auto *oracle = dynamic_cast<OraclePredictor *>(p);
     const int64_t D = hidden ? hidden->dim : 0;
     std::vector<float> x(size_t(L) * size_t(D)), scores(size_t(W) * size_t(E), 0.0f);
-    std::vector<int32_t> ids(static_cast<size_t>(K)), order(static_cast<size_t>(E));
+    std::vector<int32_t> ids(static_cast<size_t>(K)), sorted, order(static_cast<size_t>(E));
+    std::vector<int64_t> replayed;  // trace token indices in replay order (for the offline optimum)
     const int32_t n_top = std::max(kp, pf);
 
     for (const auto &b : t.sequence_bounds()) {
@@ -151,10 +170,7 @@ EvalResult evaluate_predictor(ScoringPredictor *p, const RoutingTrace &t, const 
             for (int32_t l = 0; l < L; ++l) {
                 const uint8_t *routed = t.ids(i, l);
                 for (int32_t j = 0; j < K; ++j) ids[size_t(j)] = routed[j];
-                if (cache) {
-                    for (int32_t j = 0; j < K; ++j) cache->acquire(l, ids[size_t(j)]);
-                    cache->release_layer(l);
-                }
+                if (cache) acquire_like_runtime(*cache, l, ids, sorted);
                 if (show) {
                     const PredictorInput in{l, L, W, ids, 1, K, hidden ? x.data() + size_t(l) * size_t(D) : nullptr, D};
                     p->score(in, scores);
@@ -187,6 +203,7 @@ EvalResult evaluate_predictor(ScoringPredictor *p, const RoutingTrace &t, const 
                 }
             }
             ++r.n_tokens;
+            replayed.push_back(i);
         }
     }
     if (cache) {
@@ -196,8 +213,59 @@ EvalResult evaluate_predictor(ScoringPredictor *p, const RoutingTrace &t, const 
         r.prefetch_loads = s.prefetch_loads;
         r.demand_misses = s.demand_misses;
         r.accesses = s.accesses();
+        r.belady_hit_rate = belady_hit_rate(t, replayed, opt.cache_slots);
     }
     return r;
+}
+
+double belady_hit_rate(const RoutingTrace &t, std::span<const int64_t> tokens, int32_t slots_per_layer) {
+    const int32_t L = t.n_layer, E = t.n_expert, K = t.top_k;
+    PRESCOPE_ASSERT(slots_per_layer >= K && slots_per_layer <= E);
+    const auto n = int64_t(tokens.size());
+    constexpr int64_t kNever = std::numeric_limits<int64_t>::max();
+    uint64_t hits = 0, accesses = 0;
+    std::vector<int64_t> next_use(static_cast<size_t>(n) * static_cast<size_t>(K));  // [n][K]: next position using it
+    const auto n_exp = static_cast<size_t>(E);
+    std::vector<int64_t> upcoming(n_exp);
+    std::vector<int64_t> resident_next(n_exp);  // next use of each resident expert, -1 = not resident
+    std::vector<uint8_t> wanted(n_exp);
+    for (int32_t l = 0; l < L; ++l) {
+        std::fill(upcoming.begin(), upcoming.end(), kNever);
+        for (int64_t p = n - 1; p >= 0; --p) {
+            const uint8_t *ids = t.ids(tokens[size_t(p)], l);
+            for (int32_t j = 0; j < K; ++j) {
+                next_use[size_t(p) * size_t(K) + size_t(j)] = upcoming[ids[j]];
+                upcoming[ids[j]] = p;
+            }
+        }
+        std::fill(resident_next.begin(), resident_next.end(), -1);
+        int32_t n_resident = 0;
+        for (int64_t p = 0; p < n; ++p) {
+            const uint8_t *ids = t.ids(tokens[size_t(p)], l);
+            for (int32_t j = 0; j < K; ++j) wanted[ids[j]] = 1;
+            for (int32_t j = 0; j < K; ++j) {
+                const int32_t e = ids[j];
+                ++accesses;
+                if (resident_next[size_t(e)] >= 0) {
+                    ++hits;
+                } else if (n_resident == slots_per_layer) {
+                    // Evict the resident expert, not used by this token, whose next use is farthest away.
+                    int32_t victim = -1;
+                    for (int32_t c = 0; c < E; ++c) {
+                        if (resident_next[size_t(c)] < 0 || wanted[size_t(c)]) continue;
+                        if (victim < 0 || resident_next[size_t(c)] > resident_next[size_t(victim)]) victim = c;
+                    }
+                    PRESCOPE_ASSERT(victim >= 0);
+                    resident_next[size_t(victim)] = -1;
+                    --n_resident;
+                }
+                if (resident_next[size_t(e)] < 0) ++n_resident;
+                resident_next[size_t(e)] = next_use[size_t(p) * size_t(K) + size_t(j)];
+            }
+            for (int32_t j = 0; j < K; ++j) wanted[ids[j]] = 0;
+        }
+    }
+    return accesses ? double(hits) / double(accesses) : 0.0;
 }
 
 } // namespace prescope

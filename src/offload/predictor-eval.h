@@ -8,6 +8,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <span>
 #include <string>
 #include <vector>
 
@@ -41,6 +42,7 @@ struct EvalResult {
     int32_t cache_slots = 0;
     std::string policy;
     double hit_rate = -1, prefetch_hit_share = 0;
+    double belady_hit_rate = -1;         // offline optimum of a demand-only cache of the same slots (belady_hit_rate())
     uint64_t prefetch_loads = 0, demand_misses = 0, accesses = 0;
 
     /// Aggregate of distance d over target layers in [first, last).
@@ -59,8 +61,17 @@ struct EvalResult {
 /// history then starts at its first covered token).
 /// p == nullptr evaluates `none` (no predictions). An OraclePredictor is pointed at each token first.
 /// With cache_slots, an ExpertCache (bookkeeping only) is replayed alongside: each layer acquires its routed
-/// experts, then the predictor's top prefetch_per_layer experts of each predicted layer are prefetched.
+/// experts as the runtime does (ExpertLoader::begin_layer: ascending ids, the resident ones before any load), then
+/// the predictor's top prefetch_per_layer experts of each predicted layer are prefetched; the offline optimum of the
+/// same replay (belady_hit_rate) is reported beside it.
 EvalResult evaluate_predictor(ScoringPredictor *p, const RoutingTrace &t, const HiddenTrace *hidden,
                               const EvalOptions &opt, const std::string &trace_name);
+
+/// Hit rate of the offline optimum (Belady's MIN, 1966) for per-layer caches of slots_per_layer experts replaying
+/// the given trace tokens (indices into t, in replay order) with demand loads only: on a miss with a full layer, the
+/// resident expert whose next use is farthest away (never used again first) is evicted; experts of the running token
+/// are never evicted. No prefetching, so it bounds every demand-only policy (LRU, LFU, ARC) on the same replay.
+/// PRECONDITION: slots_per_layer in [t.top_k, t.n_expert].
+double belady_hit_rate(const RoutingTrace &t, std::span<const int64_t> tokens, int32_t slots_per_layer);
 
 } // namespace prescope
