@@ -45,7 +45,7 @@ def test_replay_check_detects_a_changed_number(stats, tmp_path):
     bad = tmp_path / "routing-stats.json"
     bad.write_text(json.dumps(stats))
     rc, out = replay_check(bad)
-    assert rc == 1 and f"check FAILED at capacity {cap}" in out, out
+    assert rc == 1 and f"check FAILED (lru) at capacity {cap}" in out, out
 
 
 def test_report_tables_show_the_json_numbers(stats):

@@ -35,7 +35,12 @@ def test_che_matches_replayed_lru_without_locality():
     replayed = lru_replay.lru_hits(ids, n_expert, caps)[:, 0] / (len(ids) * k)
     for c, r in zip(caps, replayed):
         est = rs.che_lru_hit_rate(counts, k, c)
-        assert est == pytest.approx(r, abs=0.015), (c, est, r)
+        if k < c <= 2 * k:
+            # Che's model takes a token's k requests as simultaneous; the replay makes a token's misses more recent
+            # than its hits (the runtime's order), which costs a cache barely larger than one token's set a few points
+            assert r < est < r + 0.04, (c, est, r)
+        else:
+            assert est == pytest.approx(r, abs=0.015), (c, est, r)
         assert est > c / n_expert + 0.05          # skewed popularity must beat c/E
     # exact where the cache holds one token's set: E|S_t & S_t-1| / k = k sum p_i^2
     p = counts / counts.sum()
@@ -69,8 +74,11 @@ def test_domain_js_separates_planted_domains_from_null():
 
 
 def test_popularity_summary_and_depth_matching():
-    h, top, dead = rs.popularity_summary(np.array([10, 10, 10, 10, 0, 0, 0, 0, 0, 0]))
+    h, top, dead, eighth = rs.popularity_summary(np.array([10, 10, 10, 10, 0, 0, 0, 0, 0, 0]))
     assert h == pytest.approx(np.log(4) / np.log(10))
     assert top == pytest.approx(0.25) and dead == pytest.approx(0.6)
+    assert eighth == pytest.approx(0.25)  # 10 // 8 = 1 expert of the 10
+    _, _, _, eighth = rs.popularity_summary(np.array([4, 3, 2, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1]))
+    assert eighth == pytest.approx(7 / 22)  # the two most popular of 16
     assert [rs.depth_matched(x, 16, 48) for x in (0, 7, 15)] == [0, 22, 47]
     assert [rs.depth_matched(x, 32, 12) for x in (0, 7, 15)] == [0, 2, 5]
