@@ -191,6 +191,7 @@ RoutingTrace read_trace(const std::string &path) {
         seq.name = s["name"].is_string() ? s["name"].get<std::string>() : s["name"].dump();
         seq.source = s["source"].is_string() ? s["source"].get<std::string>() : s["source"].dump();
         seq.n_tokens = int_field(path, s, "n_tokens", 0, int64_t(1) << 40);
+        if (s.contains("n_prompt")) seq.n_prompt = int_field(path, s, "n_prompt", 0, seq.n_tokens);
         total += seq.n_tokens;
         t.sequences.push_back(std::move(seq));
     }
@@ -239,7 +240,13 @@ void write_trace(const std::string &path, const RoutingTrace &t, int level) {
     json seqs = json::array();
     for (const auto &s : t.sequences) {
         total += s.n_tokens;
-        seqs.push_back({{"name", s.name}, {"source", s.source}, {"n_tokens", s.n_tokens}});
+        json js = {{"name", s.name}, {"source", s.source}, {"n_tokens", s.n_tokens}};
+        if (s.n_prompt >= 0) {
+            if (s.n_prompt > s.n_tokens) fail("{}: sequence {} has n_prompt {} > n_tokens {}", path, s.name, s.n_prompt,
+                                              s.n_tokens);
+            js["n_prompt"] = s.n_prompt;
+        }
+        seqs.push_back(std::move(js));
     }
     if (total != n) fail("{}: sequences hold {} tokens, the arrays {}", path, total, n);
     for (uint8_t id : t.expert_ids) {

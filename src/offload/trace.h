@@ -17,6 +17,7 @@ struct TraceSequence {
     std::string name;
     std::string source;    // "test-split", "sharegpt", "mt-bench", "gsm8k", "humaneval", "prompts", ...
     int64_t n_tokens = 0;
+    int64_t n_prompt = -1; // tokens before the model's own decoded continuation; -1: all given (no decode part)
 };
 
 /// A decoded routing trace. Per token (sequences in order, prompt then generated tokens) and per layer: the

@@ -79,6 +79,24 @@ TEST(Trace, RoundTripKeepsEverything) {
     EXPECT_EQ(r.expert_ids, t.expert_ids);
     EXPECT_EQ(r.gate_q, t.gate_q);
     EXPECT_EQ(r.sequence_bounds()[2][0], 8);
+    EXPECT_EQ(r.sequences[0].n_prompt, -1);  // absent: every token given
+}
+
+TEST(Trace, KeepsThePromptLengthOfDecodedSequences) {
+    const fs::path p = tmp_dir() / "decoded.pstrace";
+    RoutingTrace t = random_trace(2, 8, 2, {6, 3}, 4);
+    t.sequences[0].n_prompt = 4;  // 4 given tokens, then 2 decoded by the model
+    write_trace(p.string(), t);
+    const RoutingTrace r = read_trace(p.string());
+    EXPECT_EQ(r.sequences[0].n_prompt, 4);
+    EXPECT_EQ(r.sequences[1].n_prompt, -1);
+    t.sequences[1].n_prompt = 4;  // more than its 3 tokens
+    try {
+        write_trace(p.string(), t);
+        ADD_FAILURE() << "wrote n_prompt > n_tokens";
+    } catch (const Error &e) {
+        EXPECT_NE(std::string(e.what()).find("n_prompt 4 > n_tokens 3"), std::string::npos) << e.what();
+    }
 }
 
 TEST(Trace, ByteLayoutFollowsTheSpec) {
@@ -137,6 +155,10 @@ TEST(Trace, RejectsDamagedFiles) {
     h2["sequences"][0]["n_tokens"] = 3;
     write_frame(bad, with_header(h2));
     expect_rejected(bad, "sequences hold 8 tokens but header n_tokens is 9");
+    h2 = h;
+    h2["sequences"][0]["n_prompt"] = 5;  // the sequence has 4 tokens
+    write_frame(bad, with_header(h2));
+    expect_rejected(bad, "n_prompt");
     h2 = h;
     h2.erase("top_k");
     write_frame(bad, with_header(h2));

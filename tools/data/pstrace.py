@@ -162,7 +162,10 @@ def validate_trace_header(path, header):
     for i, s in enumerate(seqs):
         if not isinstance(s, dict) or not {"name", "source", "n_tokens"} <= set(s):
             raise TraceFormatError(f"{path}: sequences[{i}] lacks name/source/n_tokens")
-        total += _int_field(path, s, "n_tokens", 0, 1 << 40)
+        n_seq = _int_field(path, s, "n_tokens", 0, 1 << 40)
+        if "n_prompt" in s:
+            _int_field(path, s, "n_prompt", 0, n_seq)
+        total += n_seq
     if total != n_tokens:
         raise TraceFormatError(f"{path}: sequences hold {total} tokens but header n_tokens is {n_tokens}")
     return n_layer, n_expert, top_k, n_tokens
@@ -172,7 +175,7 @@ def write_trace(path, *, model, arch, n_expert, sequences, token_ids, expert_ids
                 created_by, level=19, threads=0):
     """Writes a .pstrace file.
 
-    sequences: [{"name", "source", "n_tokens"}] in body order; token_ids: int [N]; expert_ids: int [N, n_layer, top_k]
+    sequences: [{"name", "source", "n_tokens"[, "n_prompt"]}] in body order; token_ids: int [N]; expert_ids: int [N, n_layer, top_k]
     in router order; gate weights either as float [N, n_layer, top_k] (quantised to round(w * 255)) or as gate_q
     uint8. Raises ValueError on inconsistent shapes or ids >= n_expert. Returns the compressed size in bytes.
     """
@@ -188,7 +191,11 @@ def write_trace(path, *, model, arch, n_expert, sequences, token_ids, expert_ids
                          f"gates {gate_q.shape} disagree")
     if n and (expert_ids.min() < 0 or expert_ids.max() >= n_expert):
         raise ValueError(f"write_trace {path}: expert id out of [0, {n_expert})")
-    seqs = [{"name": str(s["name"]), "source": str(s["source"]), "n_tokens": int(s["n_tokens"])} for s in sequences]
+    seqs = [{"name": str(s["name"]), "source": str(s["source"]), "n_tokens": int(s["n_tokens"]),
+             **({"n_prompt": int(s["n_prompt"])} if "n_prompt" in s else {})} for s in sequences]
+    bad = [s["name"] for s in seqs if not 0 <= s.get("n_prompt", 0) <= s["n_tokens"]]
+    if bad:
+        raise ValueError(f"write_trace {path}: n_prompt outside [0, n_tokens] in sequences {bad[:3]}")
     if sum(s["n_tokens"] for s in seqs) != n:
         raise ValueError(f"write_trace {path}: sequences hold {sum(s['n_tokens'] for s in seqs)} tokens, arrays {n}")
     header = {"format_version": FORMAT_VERSION, "model": model, "arch": arch, "n_layer": int(n_layer),
