@@ -1,5 +1,6 @@
-# Tests (pytest) that our training expert dispatch computes what transformers' Qwen3MoeForCausalLM computes, and
-# that the routing capture records the router's own top-k output. Skipped where torch/transformers are absent.
+# Tests (pytest) that our training expert dispatch computes what transformers' Qwen3MoeForCausalLM and
+# MixtralForCausalLM compute, that the per-layer balancing loss balances each layer, and that the routing capture
+# records the router's own top-k output. Skipped where torch/transformers are absent.
 import sys
 from pathlib import Path
 
@@ -21,7 +22,7 @@ def _pair(spec):
     return ref, ours
 
 
-@pytest.mark.parametrize("spec", ["demo-smoke", "topo-smoke"])
+@pytest.mark.parametrize("spec", ["demo-smoke", "topo-smoke", "mixtral-smoke"])
 def test_forward_matches_transformers_eager(spec):
     ref, ours = _pair(spec)
     x = torch.randint(0, 512, (2, 48), generator=torch.Generator().manual_seed(1))
@@ -67,3 +68,33 @@ def test_routing_capture_matches_router():
     ids1, w1, _ = rc.route_sequences(m, seqs[1:], 0, torch.device("cpu"))
     assert (ids1 == ids[6:]).all()
     np.testing.assert_allclose(w1, w[6:], atol=1e-6)
+
+
+def test_mixtral_spec_builds_mixtral():
+    m = moe_model.build_model("mixtral-smoke", 512, 0, 0.01, "cpu", 0)
+    assert m.config.model_type == "mixtral" and moe_model.n_experts_of(m.config) == 8
+    assert rc.gguf_arch(m) == "llama"
+    big = moe_model.make_config("topo-mixtral", 8192, 0, 0.01)
+    assert (big.num_hidden_layers, big.num_local_experts, big.num_experts_per_tok) == (32, 8, 2)
+    assert big.num_key_value_heads < big.num_attention_heads  # GQA
+    assert moe_model.make_config("topo-b", 8192, 0, 0.01, {"num_hidden_layers": 4}).num_hidden_layers == 4
+
+
+def test_per_layer_balance_loss_sees_what_the_pooled_loss_misses():
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+    n_tok, n_exp, k = 400, 8, 2
+    uniform = (torch.zeros(n_tok, n_exp),) * 3
+    assert float(moe_model.per_layer_balance_loss(uniform, k)) == pytest.approx(k)
+    # layer 0 prefers experts 0-3, layer 1 experts 4-7: each layer is skewed, their pool is balanced
+    g = torch.Generator().manual_seed(0)
+    noise = torch.randn(n_tok, n_exp, generator=g) * 0.1
+    bias = torch.tensor([4.0] * 4 + [0.0] * 4)
+    skewed = (noise + bias, noise + bias.flip(0))
+    pooled = float(load_balancing_loss_func(skewed, n_exp, k))
+    per_layer = float(moe_model.per_layer_balance_loss(skewed, k))
+    assert pooled == pytest.approx(k, rel=0.05)      # the pooled loss calls this balanced
+    assert per_layer > 1.8 * k                        # each layer sends about all its load to half the experts
+    # and it is differentiable towards balance
+    logits = (noise + bias).requires_grad_(True)
+    moe_model.per_layer_balance_loss((logits,), k).backward()
+    assert (logits.grad[:, :4].sum() > 0) and (logits.grad[:, 4:].sum() < 0)

@@ -1,6 +1,7 @@
-# Model side of issue 3's training: environment checks, the demo/topo Qwen3-MoE configurations, and a fast expert
-# dispatch (one grouped matrix product per projection) registered into transformers' experts interface.
-"""Qwen3-MoE model construction for training.
+# Model side of the training jobs (issues 3 and 9): environment checks, the demo/topo Qwen3-MoE and topo-mixtral
+# Mixtral configurations, the per-layer load-balancing loss, and a fast expert dispatch (one grouped matrix product per
+# projection) registered into transformers' experts interface.
+"""Qwen3-MoE and Mixtral model construction for training.
 
 We train transformers' own Qwen3MoeForCausalLM. Its experts module (Qwen3MoeExperts: gate_up_proj [E, 2I, H],
 down_proj [E, H, I]) dispatches through transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS; transformers' built-in
@@ -24,11 +25,21 @@ MODEL_SPECS = {
     # Qwen3-30B-A3B's routing topology (48 layers, 128 experts, top-8) at tiny width.
     "topo": dict(hidden_size=64, num_hidden_layers=48, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                  num_experts=128, num_experts_per_tok=8, moe_intermediate_size=32),
+    # Issue 9's balanced models (docs/decisions/0090-balanced-routing.md): Qwen3-30B-A3B's topology (48 x 128, top-8)
+    # and Mixtral-8x7B's (32 x 8, top-2; llama architecture with experts, GQA, no QK-norm), wider than the first topo.
+    "topo-b": dict(hidden_size=128, num_hidden_layers=48, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                   num_experts=128, num_experts_per_tok=8, moe_intermediate_size=32),
+    "topo-mixtral": dict(arch="mixtral", hidden_size=256, num_hidden_layers=32, num_attention_heads=8,
+                         num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
+                         moe_intermediate_size=512),
     # --smoke shapes: same code paths, Q8_0-compatible row lengths (multiples of 32).
     "demo-smoke": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                        head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32),
     "topo-smoke": dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
                        head_dim=16, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32),
+    "mixtral-smoke": dict(arch="mixtral", hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
+                          num_key_value_heads=1, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                          moe_intermediate_size=32),
 }
 ROPE_THETA = 1_000_000.0   # Qwen3-30B-A3B's value
 MAX_POSITIONS = 4096
@@ -73,16 +84,38 @@ def check_environment(require_cuda):
             "cuda": torch.version.cuda, "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"}
 
 
-def make_config(name, vocab_size, eos_token_id, aux_loss_coef):
-    """Qwen3MoeConfig for MODEL_SPECS[name]; every MoE-relevant field set explicitly (norm_topk_prob=True, as
-    llama.cpp's qwen3moe graph always renormalises the top-k weights)."""
-    from transformers import Qwen3MoeConfig
+def spec_arch(spec):
+    """"qwen3moe" or "mixtral" for a MODEL_SPECS entry."""
+    return spec.get("arch", "qwen3moe")
+
+
+def make_config(name, vocab_size, eos_token_id, aux_loss_coef, overrides=None):
+    """Qwen3MoeConfig or MixtralConfig for MODEL_SPECS[name] (with `overrides`, e.g. a probe's layer count or width);
+    every MoE-relevant field set explicitly (norm_topk_prob=True for qwen3moe, as llama.cpp's qwen3moe graph always
+    renormalises the top-k weights; Mixtral always renormalises)."""
     spec = dict(MODEL_SPECS[name])
-    kw = dict(vocab_size=vocab_size, intermediate_size=4 * spec["hidden_size"], hidden_act="silu",
-              max_position_embeddings=MAX_POSITIONS, rms_norm_eps=1e-6, tie_word_embeddings=True,
-              attention_bias=False, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
-              output_router_logits=True, router_aux_loss_coef=aux_loss_coef, use_cache=True,
-              bos_token_id=None, eos_token_id=eos_token_id, pad_token_id=eos_token_id, **spec)
+    spec.update(overrides or {})
+    arch = spec.pop("arch", "qwen3moe")
+    common = dict(vocab_size=vocab_size, hidden_act="silu", max_position_embeddings=MAX_POSITIONS, rms_norm_eps=1e-6,
+                  tie_word_embeddings=True, output_router_logits=True, router_aux_loss_coef=aux_loss_coef,
+                  use_cache=True, bos_token_id=None, eos_token_id=eos_token_id, pad_token_id=eos_token_id)
+    if arch == "mixtral":
+        from transformers import MixtralConfig
+        kw = dict(common, hidden_size=spec["hidden_size"], num_hidden_layers=spec["num_hidden_layers"],
+                  num_attention_heads=spec["num_attention_heads"], num_key_value_heads=spec["num_key_value_heads"],
+                  head_dim=spec["head_dim"], num_local_experts=spec["num_experts"],
+                  num_experts_per_tok=spec["num_experts_per_tok"], intermediate_size=spec["moe_intermediate_size"],
+                  router_jitter_noise=0.0, sliding_window=None)
+        try:
+            cfg = MixtralConfig(rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA}, **kw)
+        except TypeError:
+            cfg = MixtralConfig(rope_theta=ROPE_THETA, **kw)
+        if cfg.num_local_experts != spec["num_experts"]:
+            raise SystemExit(f"make_config({name}): transformers did not keep num_local_experts")
+        return cfg
+    from transformers import Qwen3MoeConfig
+    kw = dict(common, intermediate_size=4 * spec["hidden_size"], attention_bias=False, decoder_sparse_step=1,
+              mlp_only_layers=[], norm_topk_prob=True, **spec)
     try:
         cfg = Qwen3MoeConfig(rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA}, **kw)
     except TypeError:
@@ -90,6 +123,30 @@ def make_config(name, vocab_size, eos_token_id, aux_loss_coef):
     if not cfg.norm_topk_prob or cfg.num_experts != spec["num_experts"]:
         raise SystemExit(f"make_config({name}): transformers did not keep norm_topk_prob/num_experts")
     return cfg
+
+
+def n_experts_of(config):
+    """Routed experts per layer of a Qwen3MoeConfig (num_experts) or MixtralConfig (num_local_experts)."""
+    return getattr(config, "num_experts", None) or config.num_local_experts
+
+
+def per_layer_balance_loss(router_logits, top_k):
+    """Load-balancing loss computed per layer and averaged over layers (Switch Transformer, Fedus et al. 2021,
+    eqs. 4-6, at each layer as Mixtral/Switch apply it): E * sum_e f_e P_e, f_e = top-k assignments to expert e per
+    token, P_e = mean router probability of e; k at perfect balance, the scale of transformers' loss.
+
+    router_logits: tuple of [tokens, E] per layer. transformers' load_balancing_loss_func sums f and P over all layers
+    before the product, so it balances only the layer average: each layer may stay skewed as long as the skews of the
+    layers cancel (the cause of the first topo's skew, decision 0090)."""
+    losses = []
+    for g in router_logits:
+        p = torch.softmax(g.float(), dim=-1)
+        n_tok, n_exp = p.shape
+        idx = torch.topk(p, top_k, dim=-1).indices.reshape(-1)
+        f = torch.zeros(n_exp, dtype=torch.float32, device=p.device).scatter_add_(
+            0, idx, torch.ones_like(idx, dtype=torch.float32)) / n_tok
+        losses.append(n_exp * torch.sum(f * p.mean(dim=0)))
+    return torch.stack(losses).mean()
 
 
 def grouped_mm_fn():
@@ -110,11 +167,14 @@ def grouped_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     hidden_states [T, H]; top_k_index int [T, k]; top_k_weights [T, k] (already renormalised by the router).
     Returns [T, H] in hidden_states' dtype: sum_j w_j * down_e(silu(gate_e(x)) * up_e(x)), e = top_k_index[:, j],
     gate/up from gate_up_proj[e] = [gate; up] (HF layout). Under CUDA autocast (training) the two products are bf16
-    grouped matrix products with no host synchronisation; otherwise (evaluation, traces, CPU) an fp32 loop over the
-    experts with one host synchronisation per call, which needs nothing beyond torch.matmul.
+    grouped matrix products with no host synchronisation; on the CPU fp32 grouped products (a per-expert Python loop
+    over 128 experts x 48 layers costs more than the arithmetic there); otherwise (fp32 evaluation and traces on CUDA)
+    an fp32 loop over the experts with one host synchronisation per call, which needs nothing beyond torch.matmul.
     """
     if _GROUPED["enabled"] and hidden_states.is_cuda and _autocast_on("cuda"):
         return experts_grouped(self, hidden_states, top_k_index, top_k_weights, torch.bfloat16)
+    if _GROUPED["enabled"] and not hidden_states.is_cuda and grouped_mm_fn() is not None:
+        return experts_grouped(self, hidden_states, top_k_index, top_k_weights, torch.float32)
     return experts_looped(self, hidden_states, top_k_index, top_k_weights)
 
 
@@ -246,13 +306,14 @@ def self_test_experts(device):
     return {"ok": ok, "results": results}
 
 
-def build_model(name, vocab_size, eos_token_id, aux_loss_coef, device, seed, experts_impl=EXPERTS_IMPL):
-    """A freshly initialised Qwen3MoeForCausalLM (fp32 weights, seed `seed`) on `device` with the given experts
-    implementation ("eager", "grouped_mm" or EXPERTS_IMPL)."""
-    from transformers import Qwen3MoeForCausalLM
+def build_model(name, vocab_size, eos_token_id, aux_loss_coef, device, seed, experts_impl=EXPERTS_IMPL,
+                overrides=None):
+    """A freshly initialised Qwen3MoeForCausalLM or MixtralForCausalLM (fp32 weights, seed `seed`) on `device` with
+    the given experts implementation ("eager", "grouped_mm" or EXPERTS_IMPL); overrides as in make_config."""
+    from transformers import MixtralForCausalLM, Qwen3MoeForCausalLM
     register_experts_impl()
-    cfg = make_config(name, vocab_size, eos_token_id, aux_loss_coef)
+    cfg = make_config(name, vocab_size, eos_token_id, aux_loss_coef, overrides)
     torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(cfg)
+    model = (MixtralForCausalLM if cfg.model_type == "mixtral" else Qwen3MoeForCausalLM)(cfg)
     model.set_experts_implementation(experts_impl)
     return model.to(device)

@@ -1,11 +1,12 @@
-# Records a Qwen3-MoE model's routing (top-k expert ids and gate weights per token and layer, optionally the router
+# Records a Qwen3-MoE or Mixtral model's routing (top-k expert ids and gate weights per token and layer, optionally the router
 # inputs) with forward hooks on transformers' own router modules, and writes .pstrace files and hidden sidecars.
 """Routing capture.
 
-The hook sits on every layer's `mlp.gate` (Qwen3MoeTopKRouter). Its forward returns (router_logits, top_k_weights,
-top_k_index): softmax over all experts in fp32, top-k, renormalised when norm_topk_prob; these are the weights the
-model multiplies the expert outputs by (transformers' modeling_qwen3_moe.py), so they are recorded as they are. Its
-input is the post-attention RMSNorm output, which the hidden sidecar stores.
+The hook sits on every layer's `mlp.gate` (Qwen3MoeTopKRouter, MixtralTopKRouter). Its forward returns (router_logits,
+top_k_weights, top_k_index): softmax over all experts in fp32, top-k, renormalised (when norm_topk_prob for Qwen3;
+always for Mixtral); these are the weights the model multiplies the expert outputs by (transformers'
+modeling_qwen3_moe.py, modeling_mixtral.py), so they are recorded as they are. Its input is the post-attention
+RMSNorm output, which the hidden sidecar stores.
 """
 import hashlib
 import sys
@@ -139,10 +140,22 @@ def round_robin_by_source(docs, source_key):
     return out
 
 
-def write_trace_file(path, model, arch_name, model_name, seqs, ids, weights, created_by, level, threads):
-    """Writes one .pstrace for `seqs` (select_sequences output) with routing arrays from route_sequences."""
+# GGUF architecture names (llama.cpp writes Mixtral as "llama" with experts), by transformers model_type.
+GGUF_ARCH = {"qwen3_moe": "qwen3moe", "mixtral": "llama"}
+
+
+def gguf_arch(model):
+    """The GGUF architecture name of a transformers model, as a trace's "arch" field."""
+    return GGUF_ARCH[model.config.model_type]
+
+
+def write_trace_file(path, model, model_name, seqs, ids, weights, created_by, level, threads):
+    """Writes one .pstrace for `seqs` (select_sequences output, optionally with "n_prompt": tokens before a decoded
+    continuation) with routing arrays from route_sequences."""
     tokens = np.concatenate([np.asarray(s["tokens"], dtype=np.uint32) for s in seqs])
+    n_expert = getattr(model.config, "num_experts", None) or model.config.num_local_experts
     return pstrace.write_trace(
-        path, model=model_name, arch=arch_name, n_expert=model.config.num_experts,
-        sequences=[{"name": s["name"], "source": s["source"], "n_tokens": len(s["tokens"])} for s in seqs],
+        path, model=model_name, arch=gguf_arch(model), n_expert=n_expert,
+        sequences=[{"name": s["name"], "source": s["source"], "n_tokens": len(s["tokens"]),
+                    **({"n_prompt": s["n_prompt"]} if "n_prompt" in s else {})} for s in seqs],
         token_ids=tokens, expert_ids=ids, gate_weights=weights, created_by=created_by, level=level, threads=threads)

@@ -197,12 +197,16 @@ def evaluate(model, windows, device, batch, unigram_lp=None, fp32=True):
     return out
 
 
-def train_step(model, opt, x, vocab, aux_coef, device):
-    """One optimiser step on token windows x [B, T+1]; returns (loss, ce, aux, grad_norm) as device tensors."""
+def train_step(model, opt, x, vocab, aux_coef, device, balance="hf"):
+    """One optimiser step on token windows x [B, T+1]; returns (loss, ce, aux, grad_norm) as device tensors.
+    balance: "hf" (transformers' load-balancing loss, layers pooled) or "per-layer" (moe_model.per_layer_balance_loss)."""
     with autocast_for(device):
         out = model(input_ids=x[:, :-1], use_cache=False, output_router_logits=True)
     ce = F.cross_entropy(out.logits.float().reshape(-1, vocab), x[:, 1:].reshape(-1))
-    aux = out.aux_loss.float() if out.aux_loss is not None else torch.zeros((), device=device)
+    if balance == "per-layer":
+        aux = moe_model.per_layer_balance_loss(out.router_logits, model.config.num_experts_per_tok)
+    else:
+        aux = out.aux_loss.float() if out.aux_loss is not None else torch.zeros((), device=device)
     loss = ce + aux_coef * aux
     opt.zero_grad(set_to_none=True)
     loss.backward()
@@ -213,7 +217,9 @@ def train_step(model, opt, x, vocab, aux_coef, device):
 
 def train_model(run, train_tokens, val_windows, vocab, eos_id, device, deadline, experts_impl, unigram_lp):
     """Trains one model; returns (model, record) with the loss curve, step counts and timing."""
-    model = moe_model.build_model(run["spec"], vocab, eos_id, run["aux"], device, run["seed"], experts_impl)
+    model = moe_model.build_model(run["spec"], vocab, eos_id, run["aux"], device, run["seed"], experts_impl,
+                                  run.get("overrides"))
+    balance = run.get("balance", "hf")
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
@@ -227,7 +233,8 @@ def train_model(run, train_tokens, val_windows, vocab, eos_id, device, deadline,
     curve, val_curve = [], []
     rec = {"spec": run["spec"], "config": json.loads(model.config.to_json_string()), "params": n_params,
            "planned_steps": planned, "batch": batch, "seq": seq, "lr": run["lr"], "warmup": run["warmup"],
-           "router_aux_loss_coef": run["aux"], "seed": run["seed"], "experts_implementation": experts_impl,
+           "router_aux_loss_coef": run["aux"], "balance": balance, "seed": run["seed"],
+           "experts_implementation": experts_impl,
            "optimizer": "AdamW(0.9, 0.95), wd 0.1 on matrices, clip 1.0, warm-up then cosine to 10%"}
     calib = (10, 30) if planned >= 200 else (2, 4)
     t_start = time.time()
@@ -248,7 +255,7 @@ def train_model(run, train_tokens, val_windows, vocab, eos_id, device, deadline,
         x = torch.from_numpy(np.stack([train_tokens[s:s + seq + 1] for s in starts]).astype(np.int64))
         x = x.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else x
         try:
-            loss, ce, aux, gnorm = train_step(model, opt, x, vocab, run["aux"], device)
+            loss, ce, aux, gnorm = train_step(model, opt, x, vocab, run["aux"], device, balance)
         except RuntimeError as e:
             # The grouped kernel passed its self-test; should the full model still trip it, the looped path
             # (same arithmetic) takes over rather than losing the run. Only the first step may do this.
@@ -258,7 +265,7 @@ def train_model(run, train_tokens, val_windows, vocab, eos_id, device, deadline,
             rec["grouped_path_failed"] = f"{type(e).__name__}: {e}"
             moe_model.set_grouped_enabled(False)
             opt.zero_grad(set_to_none=True)
-            loss, ce, aux, gnorm = train_step(model, opt, x, vocab, run["aux"], device)
+            loss, ce, aux, gnorm = train_step(model, opt, x, vocab, run["aux"], device, balance)
         step += 1
         if step == calib[0]:
             if device.type == "cuda":
@@ -447,7 +454,7 @@ def make_traces(model, model_name, tok, candidates, budget, max_len, device, out
             continue
         ids, w, _ = rc.route_sequences(model, [s["tokens"] for s in gseqs], pad_id, device)
         path = Path(outdir) / f"{model_name}-{group}.pstrace"
-        nbytes = rc.write_trace_file(path, model, "qwen3moe", model_name, gseqs, ids, w, created_by, level, threads)
+        nbytes = rc.write_trace_file(path, model, model_name, gseqs, ids, w, created_by, level, threads)
         t = pstrace.read_trace(path)
         srcs = {}
         for s in gseqs:

@@ -1,0 +1,337 @@
+# Issue 9's training job: MoE models whose routing looks like that of real trained MoE models (per-layer load
+# balancing), measured against the realism targets, and their routing traces, router-input sidecars and routers.
+"""Balanced routing models.
+
+  probe   trains one (usually reduced-depth) model on the CPU or GPU and appends its realism statistics on held-out
+          test-split routing, its validation perplexity and its recipe to a JSON list: how recipes are compared.
+  full    the device job: trains topo-b (Qwen3-30B-A3B's 48 x 128 top-8 topology) and topo-mixtral (Mixtral-8x7B's
+          32 x 8 top-2) with the recipe of docs/decisions/0090-balanced-routing.md, writes traces (test split, real
+          prompts, and real prompts continued by the model itself), router weights and a router-input sidecar per
+          model, and packs them for the return (at most 8 files under --out).
+
+Usage:
+  python3 tools/train/train_balanced.py probe --spec topo-b --layers 8 --hidden 64 --balance per-layer --aux 0.01 \\
+      --steps 300 --json docs/data/balance-probe.json
+  python3 tools/train/train_balanced.py full --out $OUT --budget-s 540          (device; --smoke: tiny CPU dry run)
+
+Both read the corpus and prompts from .carry/ (python3 tools/data/prepare_carry.py) and the 8192-token tokenizer in
+tools/data/tokenizer/. Every number written says which command produced it.
+"""
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tools" / "train"))
+sys.path.insert(0, str(REPO / "tools" / "data"))
+import moe_model  # noqa: E402
+import pstrace  # noqa: E402
+import routing_capture as rc  # noqa: E402
+import routing_stats as rs  # noqa: E402
+import train_models as tm  # noqa: E402
+
+MiB = 1 << 20
+# The device job's plan per model: training run, trace token budgets by source, decoded continuations of real
+# prompts (count x new tokens), and the sidecar's token target. The budget split gives each model its share of the
+# wall clock after the shared set-up.
+FULL = {
+    "topo-b": dict(run=dict(spec="topo-b", steps=3000, batch=64, seq=512, lr=2e-3, warmup=100, aux=0.01,
+                            balance="per-layer", seed=4321, eval_windows=512),
+                   share=0.55, traces={"test-split": 32768, "sharegpt": 6144, "mt-bench": 2048, "vicuna-bench": 2048,
+                                       "gsm8k": 4096, "humaneval": 4096},
+                   decode=(64, 128), hidden_tokens=20480),
+    "topo-mixtral": dict(run=dict(spec="topo-mixtral", steps=3000, batch=64, seq=512, lr=2e-3, warmup=100,
+                                  aux=0.01, balance="per-layer", seed=8765, eval_windows=512),
+                         share=0.45, traces={"test-split": 32768, "sharegpt": 6144, "mt-bench": 2048,
+                                             "vicuna-bench": 2048, "gsm8k": 4096, "humaneval": 4096},
+                         decode=(64, 128), hidden_tokens=20480),
+}
+SMOKE = {"topo-b": dict(spec="topo-smoke", steps=30, batch=4, seq=64, traces=512, decode=(4, 16), hidden=256),
+         "topo-mixtral": dict(spec="mixtral-smoke", steps=30, batch=4, seq=64, traces=512, decode=(4, 16),
+                              hidden=256)}
+TRACE_MAX_LEN = 512
+ZSTD_LEVEL = 19
+
+
+def log(msg):
+    tm.log(msg)
+
+
+def load_data(carry, max_docs=None, cache_dir=None):
+    """(tokenizer, {split: uint16 tokens}, splits, prompts, unigram log-probs, eos id); token streams are cached as
+    .npy files in cache_dir (keyed by the carry manifest) so that repeated probes skip tokenisation."""
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(REPO / "tools" / "data" / "tokenizer" / "tokenizer.json"))
+    eos_id = tok.token_to_id("<|endoftext|>")
+    splits, prompts, manifest = tm.load_carry(carry)
+    if max_docs:
+        splits = {s: d[:max_docs] for s, d in splits.items()}
+    key = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode() + str(max_docs).encode()).hexdigest()[:16]
+    data = {}
+    for s, docs in splits.items():
+        path = Path(cache_dir) / f"tokens-{s}-{key}.npy" if cache_dir else None
+        if path and path.exists():
+            data[s] = np.load(path)
+            continue
+        data[s] = tm.tokenize_stream(tok, docs, eos_id)
+        if path:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            np.save(path, data[s])
+    return tok, data, splits, prompts, tm.unigram_log_probs(data["train"], tok.get_vocab_size()), eos_id
+
+
+def held_out_routing(model, tok, candidates, budget, device, pad_id, keep_inputs=False):
+    """Routes the test-split candidates (up to `budget` tokens, sequences of at most TRACE_MAX_LEN): (seqs, ids, w,
+    inputs) as routing_capture.route_sequences returns them."""
+    seqs = rc.select_sequences(tok, candidates, budget, TRACE_MAX_LEN)
+    ids, w, inputs = rc.route_sequences(model, [s["tokens"] for s in seqs], pad_id, device,
+                                        keep_inputs_for=range(len(seqs)) if keep_inputs else ())
+    return seqs, ids, w, inputs
+
+
+def bounds_of(seqs):
+    """[(first, end)] token ranges of consecutive sequences."""
+    ends = np.cumsum([len(s["tokens"]) for s in seqs])
+    return list(zip(np.concatenate([[0], ends[:-1]]).tolist(), ends.tolist()))
+
+
+# ---------------------------------------------------------------- probe
+
+
+def probe(args):
+    """Trains one model and appends {recipe, validation, realism} to args.json."""
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    moe_model.register_experts_impl()
+    tok, data, splits, prompts, unigram_lp, eos_id = load_data(args.carry, cache_dir=args.work)
+    overrides = {}
+    if args.layers:
+        overrides["num_hidden_layers"] = args.layers
+    if args.hidden:
+        overrides["hidden_size"] = args.hidden
+        overrides["head_dim"] = max(16, args.hidden // moe_model.MODEL_SPECS[args.spec]["num_attention_heads"])
+    if args.expert_ffn:
+        overrides["moe_intermediate_size"] = args.expert_ffn
+    run = dict(spec=args.spec, steps=args.steps, batch=args.batch, seq=args.seq, lr=args.lr, warmup=args.warmup,
+               aux=args.aux, balance=args.balance, seed=args.seed, eval_windows=args.eval_windows, overrides=overrides)
+    val_windows = tm.eval_windows(data["validation"], args.seq, args.eval_windows)
+    deadline = time.time() + args.max_train_s
+    model, rec = tm.train_model(run, data["train"], val_windows, tok.get_vocab_size(), eos_id, device, deadline,
+                                moe_model.EXPERTS_IMPL, unigram_lp)
+    cands = tm.trace_candidates(splits["test"], prompts)
+    seqs, ids, _, _ = held_out_routing(model, tok, cands, {"test-split": args.route_tokens}, device, eos_id)
+    realism = rs.realism_stats(ids, bounds_of(seqs), moe_model.n_experts_of(model.config))
+    row = {"command": "python3 tools/train/train_balanced.py " + " ".join(sys.argv[2:]),
+           "spec": args.spec, "overrides": overrides, "balance": args.balance, "aux": args.aux,
+           "steps_done": rec["steps_done"], "tokens_seen": rec["tokens_seen"], "train_seconds": rec["train_seconds"],
+           "params": rec["params"], "device": device.type, "validation": rec["validation"],
+           "final_train_ce": rec["loss_curve"][-1]["ce"] if rec["loss_curve"] else None,
+           "final_aux": rec["loss_curve"][-1]["aux"] if rec["loss_curve"] else None,
+           "routed_tokens": int(len(ids)), "realism": realism}
+    log(f"probe {args.spec} {overrides} {args.balance} aux {args.aux}: ppl {rec['validation']['ppl']:.1f} "
+        f"(unigram {rec['validation']['unigram_ppl']:.0f}); medians "
+        + ", ".join(f"{k} {v:.3f}" for k, v in realism["median"].items()))
+    if args.json:
+        path = Path(args.json)
+        rows = json.loads(path.read_text()) if path.exists() else []
+        rows.append(row)
+        path.write_text(json.dumps(rows, indent=1) + "\n")
+    return row
+
+
+# ---------------------------------------------------------------- full (device) job
+
+
+@torch.no_grad()
+def decode_continuations(model, tok, prompts, n_prompts, n_new, device, pad_id, seed):
+    """The first n_prompts real prompts (at most 256 tokens each), each continued by n_new tokens that the model
+    samples itself (temperature 0.8, top-p 0.95, seeded; batched with left padding). Returns select_sequences-style
+    dicts with "n_prompt" set."""
+    model.eval()
+    chosen = []
+    for p in prompts:
+        toks = tok.encode(p["text"]).ids[:256]
+        if len(toks) >= 8:
+            chosen.append({"name": p["name"] + "+decode", "source": p["source"] + "-decode", "tokens": toks})
+        if len(chosen) == n_prompts:
+            break
+    torch.manual_seed(seed)
+    out = []
+    for i in range(0, len(chosen), 32):
+        batch = chosen[i:i + 32]
+        width = max(len(c["tokens"]) for c in batch)
+        x = torch.full((len(batch), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for r, c in enumerate(batch):
+            x[r, width - len(c["tokens"]):] = torch.tensor(c["tokens"])
+            mask[r, width - len(c["tokens"]):] = 1
+        y = model.generate(input_ids=x.to(device), attention_mask=mask.to(device), max_new_tokens=n_new,
+                           min_new_tokens=n_new, do_sample=True, temperature=0.8, top_p=0.95, pad_token_id=pad_id,
+                           output_router_logits=False)
+        for r, c in enumerate(batch):
+            gen = y[r, width:].tolist()
+            out.append({**c, "tokens": c["tokens"] + gen, "n_prompt": len(c["tokens"])})
+    return out
+
+
+def write_traces(model, name, tok, cands, prompts, plan, device, outdir, pad_id, created_by):
+    """NAME-test.pstrace (test split), NAME-prompts.pstrace (real prompts, and the same prompts continued by the model
+    itself); returns (info per file, test-split seqs, ids) for the realism statistics."""
+    budget = plan["traces"]
+    seqs = rc.select_sequences(tok, cands, budget, TRACE_MAX_LEN)
+    groups = {"test": [s for s in seqs if s["source"] == "test-split"],
+              "prompts": [s for s in seqs if s["source"] != "test-split"]}
+    n_prompts, n_new = plan["decode"]
+    groups["prompts"] += decode_continuations(model, tok, prompts, n_prompts, n_new, device, pad_id, 99)
+    info, test_ids = {}, None
+    threads = min(16, os.cpu_count() or 1)
+    for group, gseqs in groups.items():
+        ids, w, _ = rc.route_sequences(model, [s["tokens"] for s in gseqs], pad_id, device)
+        if group == "test":
+            test_ids = ids
+        path = Path(outdir) / f"{name}-{group}.pstrace"
+        nbytes = rc.write_trace_file(path, model, name, gseqs, ids, w, created_by, ZSTD_LEVEL, threads)
+        t = pstrace.read_trace(path)
+        info[path.name] = {"bytes": nbytes, "tokens": int(len(t.token_ids)), "sequences": len(gseqs),
+                           "decoded_tokens": int(sum(len(s["tokens"]) - s.get("n_prompt", len(s["tokens"]))
+                                                     for s in gseqs))}
+        log(f"{path.name}: {len(t.token_ids)} tokens, {nbytes / MiB:.2f} MiB")
+    return info, groups["test"], test_ids
+
+
+def write_sidecar(model, name, tok, cands, n_tokens, device, outdir, pad_id, budget_bytes):
+    """NAME-test.hidden.zst: router inputs of the leading test-split sequences, as many as fit budget_bytes (at most
+    n_tokens tokens)."""
+    seqs, _, _, inputs = held_out_routing(model, tok, cands, {"test-split": n_tokens}, device, pad_id,
+                                          keep_inputs=True)
+    return tm.write_hidden_within(Path(outdir) / f"{name}-test.pstrace", seqs, inputs, budget_bytes, 6,
+                                  min(16, os.cpu_count() or 1))
+
+
+def full(args):
+    """The device job (module docstring); a failed phase is recorded and the others still run."""
+    t0 = time.time()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(args.work)
+    if work.exists():
+        shutil.rmtree(work)
+    stage = work / "stage"
+    (stage / "traces").mkdir(parents=True)
+    summary = {"mode": "smoke" if args.smoke else "full", "budget_s": args.budget_s,
+               "command": "python3 tools/train/train_balanced.py " + " ".join(sys.argv[1:])}
+    ph = tm.Phases(summary)
+    summary["environment"] = moe_model.check_environment(require_cuda=not args.smoke)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    moe_model.register_experts_impl()
+    st = moe_model.self_test_experts(device)
+    moe_model.set_grouped_enabled(st["ok"])
+    summary["experts_self_test"] = st
+    tok, data, splits, prompts, unigram_lp, eos_id = load_data(args.carry, 300 if args.smoke else None)
+    cands = tm.trace_candidates(splits["test"], prompts)
+    created = "tools/train/train_balanced.py full" + (" --smoke" if args.smoke else "")
+    items = []
+    for name, plan in FULL.items():
+        if args.smoke:
+            sm = SMOKE[name]
+            plan = dict(plan, run=dict(plan["run"], spec=sm["spec"], steps=sm["steps"], batch=sm["batch"],
+                                       seq=sm["seq"], eval_windows=8),
+                        traces={"test-split": sm["traces"], "sharegpt": sm["traces"] // 4},
+                        decode=sm["decode"], hidden_tokens=sm["hidden"])
+        left = t0 + args.budget_s - time.time()
+        deadline = time.time() + left * plan["share"] / sum(p["share"] for n, p in FULL.items()
+                                                             if n not in summary.get("done", []))
+        deadline -= 0 if args.smoke else 100  # traces, sidecar and packing after training
+        val_windows = tm.eval_windows(data["validation"], plan["run"]["seq"], plan["run"]["eval_windows"])
+        res = ph.run(f"train_{name}", tm.train_model, plan["run"], data["train"], val_windows, tok.get_vocab_size(),
+                     eos_id, device, deadline, moe_model.EXPERTS_IMPL, unigram_lp)
+        summary.setdefault("done", []).append(name)
+        if not res:
+            continue
+        model, rec = res
+        rec_path = stage / f"train-{name}.json"
+        rec_path.write_text(json.dumps(rec, indent=1) + "\n")
+        items.append((f"docs/data/train-{name}.json", rec_path))
+        cfg_path = stage / "traces" / f"{name}-config.json"
+        cfg_path.write_text(model.config.to_json_string())
+        items.append((f"traces/{name}-config.json", cfg_path))
+        r = ph.run(f"routers_{name}", tm.save_routers, model, stage / "traces" / f"{name}-routers.safetensors")
+        if r:
+            items.append((f"traces/{name}-routers.safetensors", stage / "traces" / f"{name}-routers.safetensors"))
+        tr = ph.run(f"traces_{name}", write_traces, model, name, tok, cands, prompts, plan, device, stage / "traces",
+                    eos_id, created)
+        if tr:
+            info, test_seqs, test_ids = tr
+            summary[name] = {"traces": info, "validation": rec["validation"],
+                             "realism_test_split": rs.realism_stats(test_ids, bounds_of(test_seqs),
+                                                                    moe_model.n_experts_of(model.config))["median"]}
+            items += [(f"traces/{n}", stage / "traces" / n) for n in info]
+        # The sidecar gets what the return limit leaves after everything else (the other model's files included).
+        used = sum(Path(f).stat().st_size for _, f in items)
+        reserve = 0 if name == list(FULL)[-1] else 14 * MiB
+        budget = min(args.hidden_max_bytes, tm.RETURN_LIMIT_BYTES - used - reserve - 2 * MiB)
+        if budget > 256 * 1024:
+            h = ph.run(f"hidden_{name}", write_sidecar, model, name, tok, cands, plan["hidden_tokens"], device,
+                       stage / "traces", eos_id, budget)
+            if h:
+                summary[name]["hidden"] = h
+                items += [(f"traces/{n}", stage / "traces" / n) for n in h]
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    summary["elapsed_s"] = round(time.time() - t0, 1)
+    ph.run("pack", tm.pack_outputs, stage, out, items, summary)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
+    return 1 if summary["errors"] else 0
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("probe", help="train one model and append its realism statistics to --json")
+    p.add_argument("--spec", default="topo-b", choices=sorted(moe_model.MODEL_SPECS))
+    p.add_argument("--layers", type=int, help="override the spec's layer count (reduced-depth probes)")
+    p.add_argument("--hidden", type=int, help="override the hidden size (head_dim follows)")
+    p.add_argument("--expert-ffn", type=int, help="override the expert FFN width")
+    p.add_argument("--balance", default="per-layer", choices=["per-layer", "hf"])
+    p.add_argument("--aux", type=float, default=0.01, help="load-balancing loss coefficient")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--warmup", type=int, default=30)
+    p.add_argument("--seed", type=int, default=4321)
+    p.add_argument("--eval-windows", type=int, default=64)
+    p.add_argument("--route-tokens", type=int, default=8192, help="held-out test-split tokens routed for the stats")
+    p.add_argument("--max-train-s", type=float, default=4 * 3600)
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--cpu", action="store_true", help="stay on the CPU even with a GPU")
+    p.add_argument("--json", help="JSON list to append the result row to")
+    p.add_argument("--carry", default=str(REPO / ".carry"))
+    p.add_argument("--work", default="/tmp/prescope-balance", help="token cache")
+    f = sub.add_parser("full", help="the device job (module docstring)")
+    f.add_argument("--out", required=True)
+    f.add_argument("--budget-s", type=float, default=540.0)
+    f.add_argument("--smoke", action="store_true", help="tiny shapes and steps on the CPU (dry run)")
+    f.add_argument("--hidden-max-bytes", type=int, default=30 * MiB)
+    f.add_argument("--carry", default=str(REPO / ".carry"))
+    f.add_argument("--work", default="/tmp/prescope-balanced")
+    args = ap.parse_args()
+    if args.cmd == "probe":
+        probe(args)
+        return 0
+    return full(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
