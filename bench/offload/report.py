@@ -3,7 +3,7 @@
 
     python3 bench/offload/report.py OUT_DIR [--json-out bench/results/offload-q30b.json] [--command "..."]
     python3 bench/offload/report.py --brief prescope-12.jsonl      # one line, used by the device script
-    python3 bench/offload/report.py --match-ncmoe PEAK_MIB         # llama.cpp --n-cpu-moe for that GPU memory
+    python3 bench/offload/report.py --match-ncmoe PEAK_MIB [--shape mixtral-8x7b]   # llama.cpp --n-cpu-moe for it
 
 Row fields (issue 4): model, budget_gib, gpu_mem_gib, decode_tok_s, prefill_tok_s, peer, peer_args,
 peer_decode_tok_s, peer_prefill_tok_s, decode_ratio, prefill_ratio, hit_rate, pcie_gb_s, pcie_bytes_per_token,
@@ -20,9 +20,15 @@ import sys
 from pathlib import Path
 
 PCIE_PEAK_B_S = 55.5e9
-# llama.cpp on this model (../shared/design/reference-numbers.md): 2.4 GiB with every expert on the CPU, plus one
-# layer's 128 Q8_0 experts (128 x 3 x 768 x 2048 x 34/32 bytes = 612 MiB) per layer kept on the GPU.
-LLAMA_BASE_MIB, LLAMA_LAYER_MIB, N_LAYER = 2458.0, 612.0, 48
+# llama.cpp's GPU memory per shape (../shared/design/reference-numbers.md), as (MiB with every expert on the CPU, MiB
+# per layer whose experts stay on the GPU, layers):
+# - qwen3-30b-a3b: 2.4 GiB, plus one layer's 128 Q8_0 experts (128 x 3 x 768 x 2048 x 34/32 bytes = 612 MiB);
+# - mixtral-8x7b: 8 x 3 x 14336 x 4096 x 34/32 bytes = 1427 MiB per layer; the base is the mean of what -ncmoe 24
+#   (14.3 GiB) and -ncmoe 16 (25.7 GiB) leave after their 8 and 16 layers of experts.
+LLAMA_MEMORY = {"qwen3-30b-a3b": (2458.0, 612.0, 48), "mixtral-8x7b": (3356.0, 1427.0, 32)}
+MODEL_TEXT = {"qwen3-30b-a3b": "qwen3moe Qwen3-30B-A3B shape, random weights, Q8_0 (tools/py/make_bench_model.py)",
+              "mixtral-8x7b": "llama+experts Mixtral-8x7B shape, random weights, Q8_0 (tools/py/make_bench_model.py "
+                              "--shape mixtral-8x7b)"}
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -47,12 +53,15 @@ def brief(path: Path) -> str:
     return "; ".join(parts) or "no rows"
 
 
-def match_ncmoe(peak_mib: float) -> int:
-    layers_on_gpu = round((peak_mib - LLAMA_BASE_MIB) / LLAMA_LAYER_MIB)
-    return max(0, min(N_LAYER, N_LAYER - layers_on_gpu))
+def match_ncmoe(peak_mib: float, shape: str = "qwen3-30b-a3b") -> int:
+    """The --n-cpu-moe that gives llama.cpp about peak_mib of GPU memory on the shape's benchmark model."""
+    base, per_layer, n_layer = LLAMA_MEMORY[shape]
+    layers_on_gpu = round((peak_mib - base) / per_layer)
+    return max(0, min(n_layer, n_layer - layers_on_gpu))
 
 
-def report(out_dir: Path, command: str) -> list[dict]:
+def report(out_dir: Path, command: str, shape: str = "qwen3-30b-a3b", routing_kind: str = "") -> list[dict]:
+    """One row per budget (module docstring); routing_kind labels the replayed routing ("balanced", "skewed")."""
     pairs = {}
     if (out_dir / "pairs.txt").exists():
         for line in (out_dir / "pairs.txt").read_text().split("\n"):
@@ -67,7 +76,7 @@ def report(out_dir: Path, command: str) -> list[dict]:
             continue
         tg, pp = ours["tg"], ours["pp"]
         mem = out_dir / f"gpu-mem-prescope-{b}.txt"
-        row = {"model": "qwen3moe Qwen3-30B-A3B shape, random weights, Q8_0 (tools/py/make_bench_model.py)",
+        row = {"model": MODEL_TEXT[shape], "shape": shape,
                "budget_gib": float(b),
                "gpu_mem_gib": float(mem.read_text()) / 1024 if mem.exists() else None,
                "decode_tok_s": tg["avg_ts"], "prefill_tok_s": pp["avg_ts"],
@@ -75,7 +84,7 @@ def report(out_dir: Path, command: str) -> list[dict]:
                "pcie_gb_s": tg.get("pcie_gb_s"), "pcie_bytes_per_token": tg.get("pcie_bytes_per_token"),
                "prefill_pcie_bytes_per_token": pp.get("pcie_bytes_per_token"),
                "routing": f"replayed:{tg['offload']['routing_trace']}" if tg.get("offload", {}).get("routing_trace")
-               else tg.get("routing", "router"),
+               else tg.get("routing", "router"), "routing_kind": routing_kind or None,
                "predictor": tg.get("predictor"), "threads": tg.get("threads"),
                "peer": None, "peer_args": None, "peer_gpu_mem_gib": None,
                "peer_decode_tok_s": None, "peer_prefill_tok_s": None, "decode_ratio": None, "prefill_ratio": None,
@@ -109,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("out_dir", nargs="?", type=Path)
     ap.add_argument("--brief", type=Path)
     ap.add_argument("--match-ncmoe", type=float)
+    ap.add_argument("--shape", choices=sorted(LLAMA_MEMORY), default="qwen3-30b-a3b")
+    ap.add_argument("--routing-kind", default="", help='label of the replayed routing: "balanced" or "skewed"')
     ap.add_argument("--json-out", type=Path)
     ap.add_argument("--command", default="scripts/device/bench_offload.sh (see bench/offload/README.md)")
     a = ap.parse_args(argv)
@@ -116,9 +127,9 @@ def main(argv: list[str] | None = None) -> int:
         print(brief(a.brief))
         return 0
     if a.match_ncmoe is not None:
-        print(match_ncmoe(a.match_ncmoe))
+        print(match_ncmoe(a.match_ncmoe, a.shape))
         return 0
-    rows = report(a.out_dir, a.command)
+    rows = report(a.out_dir, a.command, a.shape, a.routing_kind)
     print("| budget | GPU mem ours / peer | decode tok/s ours / llama.cpp | ratio | prefill tok/s ours / llama.cpp | ratio "
           "| hit rate | PCIe GB/s | PCIe MiB/token | share of PCIe bound |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")

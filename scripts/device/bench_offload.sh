@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
-# Issue 4 benchmark on the GPU machine: a Qwen3-30B-A3B-shaped Q8_0 model (random weights, written here by
-# tools/py/make_bench_model.py), routing replayed from a topo trace, batch 1: PreScope's prefill (pp512) and
+# Offload benchmark on the GPU machine: a Qwen3-30B-A3B- or Mixtral-8x7B-shaped Q8_0 model (random weights, written
+# here by tools/py/make_bench_model.py), routing replayed from a trace, batch 1: PreScope's prefill (pp512) and
 # decode (tg128) tokens/s at several expert budgets, then llama.cpp's llama-bench (-ngl 99 --n-cpu-moe N) on the
 # same file with the same threads, N chosen so that its GPU memory matches ours. Peak GPU memory of every run is
 # read with nvidia-smi. bench/offload/report.py turns $OUT into bench/results/offload-q30b.json and a table.
 #
-#   [LLAMA_BENCH=/path/to/llama-bench] [LLAMA_WAIT=s] [BUDGETS="12 4 8 24"] [PREDICTOR=recency]
-#   [TRACE=traces/topo-test.pstrace] OUT=dir scripts/device/bench_offload.sh
+#   [SHAPE=qwen3-30b-a3b|mixtral-8x7b] [LLAMA_BENCH=/path/to/llama-bench] [LLAMA_WAIT=s] [BUDGETS="12 4 8 24"]
+#   [PREDICTOR=recency] [TRACE=...] [ROUTING_KIND=balanced|skewed] OUT=dir scripts/device/bench_offload.sh
+#
+# Defaults per shape: qwen3-30b-a3b budgets 12 4 8 24 GiB, trace traces/topo-b-test.pstrace; mixtral-8x7b budgets
+# 12 24 36 GiB, trace traces/topo-mixtral-test.pstrace (the balanced traces of issue 9, ROUTING_KIND=balanced).
+# The device's 64 GB disk holds one benchmark model at a time: each shape writes, uses and deletes its own.
 #
 # llama-bench is a comparison peer built outside this repository; the script waits up to LLAMA_WAIT seconds
 # for the file to appear and skips the peer if it does not. Carry .carry/debs (missing -dev packages) and .carry/whl
@@ -14,12 +18,17 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/bench-out}
-BUDGETS=${BUDGETS:-12 4 8 24}
+SHAPE=${SHAPE:-qwen3-30b-a3b}
+case $SHAPE in
+    qwen3-30b-a3b) BUDGETS=${BUDGETS:-12 4 8 24}; TRACE=${TRACE:-traces/topo-b-test.pstrace} ;;
+    mixtral-8x7b) BUDGETS=${BUDGETS:-12 24 36}; TRACE=${TRACE:-traces/topo-mixtral-test.pstrace} ;;
+    *) echo "bench_offload.sh: SHAPE must be qwen3-30b-a3b or mixtral-8x7b" >&2; exit 2 ;;
+esac
+ROUTING_KIND=${ROUTING_KIND:-balanced}
 PREDICTOR=${PREDICTOR:-recency}
-TRACE=${TRACE:-traces/topo-test.pstrace}
 LLAMA_WAIT=${LLAMA_WAIT:-0}
 THREADS=$(nproc)
-MODEL=/tmp/prescope-q30b-q8_0.gguf
+MODEL=/tmp/prescope-$SHAPE-q8_0.gguf
 mkdir -p "$OUT"
 : > "$OUT/summary.txt"
 say() { echo "[bench_offload] $*" | tee -a "$OUT/summary.txt"; }
@@ -34,7 +43,9 @@ if compgen -G "$WHL_DIR/*.whl" > /dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$WHL_DIR"/*.whl &&
         export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-[ -f "$MODEL" ] || timeout 300 python3 tools/py/make_bench_model.py --out "$MODEL" --layers 48 > "$OUT/model.log" 2>&1
+for other in /tmp/prescope-*-q8_0.gguf; do [ "$other" = "$MODEL" ] || rm -f "$other"; done
+[ -f "$MODEL" ] || timeout 300 python3 tools/py/make_bench_model.py --out "$MODEL" --shape "$SHAPE" \
+    > "$OUT/model.log" 2>&1
 [ -f "$MODEL" ] || { say "FAIL: could not write $MODEL (model.log)"; tail -3 "$OUT/model.log"; exit 1; }
 say "model $MODEL: $(du -h "$MODEL" | cut -f1) ($((SECONDS - T0)) s)"
 
@@ -67,7 +78,7 @@ fi
 if [ -n "${LLAMA_BENCH:-}" ] && [ -x "$LLAMA_BENCH" ]; then
     say "peer ready after $((SECONDS - T0)) s: $LLAMA_BENCH"
     for b in $BUDGETS; do
-        n=$(python3 bench/offload/report.py --match-ncmoe "$(cat "$OUT/gpu-mem-prescope-$b.txt")")
+        n=$(python3 bench/offload/report.py --match-ncmoe "$(cat "$OUT/gpu-mem-prescope-$b.txt")" --shape "$SHAPE")
         with_gpu_peak "$OUT/gpu-mem-llama-$n.txt" timeout 240 "$LLAMA_BENCH" -m "$MODEL" -ngl 99 -ncmoe "$n" \
             -t "$THREADS" -p 512 -n 128 -r 1 -o jsonl > "$OUT/llama-$n.jsonl" 2> "$OUT/llama-$n.log"
         say "llama.cpp -ncmoe $n (for ${b}GiB): exit $?, GPU peak $(cat "$OUT/gpu-mem-llama-$n.txt") MiB; $(grep -o '"avg_ts": *[0-9.]*' "$OUT/llama-$n.jsonl" | tr '\n' ' ')"
@@ -76,4 +87,5 @@ if [ -n "${LLAMA_BENCH:-}" ] && [ -x "$LLAMA_BENCH" ]; then
 else
     say "no llama-bench: peer skipped"
 fi
+echo "$SHAPE $ROUTING_KIND $TRACE" > "$OUT/run.txt"
 say "done in $((SECONDS - T0)) s"
