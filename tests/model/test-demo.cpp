@@ -34,7 +34,8 @@ const prescope::Model &demo_model() {
 
 TEST(Demo, TokenizerMatchesHfOnHeldOutPrompts) {
     const prescope::Tokenizer tok = prescope::Tokenizer::from_gguf(demo_model().file());
-    for (const auto &p : reference()["prompts"]) {
+    const json ref = reference();  // a range-for over reference()["prompts"] would outlive the temporary
+    for (const auto &p : ref["prompts"]) {
         EXPECT_EQ(tok.encode(p["text"].get<std::string>(), true, false), p["prompt_ids"].get<std::vector<int32_t>>())
             << p["doc"];
     }
