@@ -1,12 +1,11 @@
 // Tokenizer from GGUF metadata (tokenizer.h): GPT-2 byte-level BPE and SentencePiece BPE, special-token
-// partitioning, NFC (utf8proc) and pre-tokenizer regexes (PCRE2, UTF + UCP, JIT).
+// partitioning, NFC (utf8proc) and the pre-tokenizers of pre-tokenizer.h.
 #include "runtime/tokenizer.h"
 
 #include "core/error.h"
 #include "format/gguf.h"
+#include "runtime/pre-tokenizer.h"
 
-#define PCRE2_CODE_UNIT_WIDTH 8
-#include <pcre2.h>
 #include <utf8proc.h>
 
 #include <algorithm>
@@ -37,50 +36,11 @@ constexpr const char *kKeyRemoveExtraWs = "tokenizer.ggml.remove_extra_whitespac
 
 constexpr std::string_view kSpmSpace = "\xE2\x96\x81";  // U+2581, SentencePiece's space
 
-// Split regexes of the HF tokenizer.json files (quoted in llama.cpp llama-vocab.cpp,
-// LLAMA_VOCAB_PRE_TYPE_QWEN2 / _LLAMA3), written with @S@ for \s, @L@ for \p{L} and @N@ for \p{N} inside
-// character classes. The original case-insensitive contraction group is kept: with PCRE2_UCP it folds like
-// Oniguruma, which HF tokenizers uses (decision 0021).
-constexpr std::string_view kRegexQwen2 =
-    R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n@L@@N@]?[@L@]+|[@N@]| ?[^@S@@L@@N@]+[\r\n]*|[@S@]*[\r\n]+|[@S@]+(?![^@S@])|[@S@]+)";
-constexpr std::string_view kRegexLlama3 =
-    R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n@L@@N@]?[@L@]+|[@N@]{1,3}| ?[^@S@@L@@N@]+[\r\n]*|[@S@]*[\r\n]+|[@S@]+(?![^@S@])|[@S@]+)";
-
-// The classes as Oniguruma (HF tokenizers, Unicode 16) has them. \s is Unicode White_Space: PCRE2 10.42
-// also counts U+180E. L and N add what Unicode 15.0-16.0 assigned after PCRE2 10.42's Unicode 14 tables
-// (found by matching every code point with both engines; decision 0021).
-constexpr std::string_view kClassSpace =
-    R"(\t\n\x{0B}\f\r\x{20}\x{85}\x{A0}\x{1680}\x{2000}-\x{200A}\x{2028}\x{2029}\x{202F}\x{205F}\x{3000})";
-constexpr std::string_view kClassLetter =
-    R"(\p{L}\x{1C89}-\x{1C8A}\x{A7CB}-\x{A7CD}\x{A7DA}-\x{A7DC}\x{105C0}-\x{105F3}\x{10D4A}-\x{10D65})"
-    R"(\x{10D6F}-\x{10D85}\x{10EC2}-\x{10EC4}\x{1123F}-\x{11240}\x{11380}-\x{11389}\x{1138B}\x{1138E})"
-    R"(\x{11390}-\x{113B5}\x{113B7}\x{113D1}\x{113D3}\x{11BC0}-\x{11BE0}\x{11F02}\x{11F04}-\x{11F10})"
-    R"(\x{11F12}-\x{11F33}\x{1342F}\x{13441}-\x{13446}\x{13460}-\x{143FA}\x{16100}-\x{1611D})"
-    R"(\x{16D40}-\x{16D6C}\x{18CFF}\x{1B132}\x{1B155}\x{1DF25}-\x{1DF2A}\x{1E030}-\x{1E06D})"
-    R"(\x{1E4D0}-\x{1E4EB}\x{1E5D0}-\x{1E5ED}\x{1E5F0}\x{2B739}\x{2EBF0}-\x{2EE5D}\x{31350}-\x{323AF})";
-constexpr std::string_view kClassNumber =
-    R"(\p{N}\x{10D40}-\x{10D49}\x{116D0}-\x{116E3}\x{11BF0}-\x{11BF9}\x{11F50}-\x{11F59}\x{16130}-\x{16139})"
-    R"(\x{16D70}-\x{16D79}\x{1CCF0}-\x{1CCF9}\x{1D2C0}-\x{1D2D3}\x{1E4F0}-\x{1E4F9}\x{1E5F1}-\x{1E5FA})";
-
-std::string expand_classes(std::string_view pattern) {
-    std::string out;
-    for (size_t i = 0; i < pattern.size(); ++i) {
-        if (pattern[i] == '@' && i + 2 < pattern.size() && pattern[i + 2] == '@') {
-            const char c = pattern[i + 1];
-            out += c == 'S' ? kClassSpace : c == 'L' ? kClassLetter : kClassNumber;
-            i += 2;
-        } else {
-            out += pattern[i];
-        }
-    }
-    return out;
-}
-
 // Texts llama.cpp marks as end of generation whatever their id (llama_vocab::impl::load, special_eog_ids),
-// restricted to the families PreScope runs (Qwen, Llama 3, Mistral, OLMo).
-constexpr std::array<std::string_view, 11> kEogTexts = {
+// restricted to the families PreScope tokenizes (Qwen, Llama 3, Mistral, OLMo, DeepSeek, gpt-oss).
+constexpr std::array<std::string_view, 13> kEogTexts = {
     "<|eot_id|>", "<|im_end|>", "<|end|>", "<|endoftext|>", "<|eom_id|>", "<|end_of_text|>", "</s>",
-    "<end_of_turn>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>",
+    "<end_of_turn>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<|return|>", "<|call|>",
 };
 
 // ---- UTF-8 ------------------------------------------------------------------------------------------
@@ -279,13 +239,6 @@ class MergeTable {
     std::vector<Slot> slots_;
 };
 
-struct PcreCodeDeleter {
-    void operator()(pcre2_code *c) const { pcre2_code_free(c); }
-};
-struct PcreMatchDeleter {
-    void operator()(pcre2_match_data *m) const { pcre2_match_data_free(m); }
-};
-
 bool is_special_type(TokenType t) {
     return t == TokenType::CONTROL || t == TokenType::USER_DEFINED || t == TokenType::UNKNOWN;
 }
@@ -294,11 +247,9 @@ bool is_special_type(TokenType t) {
 
 struct Tokenizer::Impl {
     enum class Model { BPE, SPM };
-    enum class Pre { NONE, QWEN2, LLAMA3 };
 
     std::string path;
     Model model = Model::BPE;
-    Pre pre = Pre::NONE;
     std::vector<std::string> tokens;
     std::vector<float> scores;
     std::vector<TokenType> types;
@@ -314,7 +265,7 @@ struct Tokenizer::Impl {
     MergeTable merges;
     std::array<int32_t, 256> byte_token{};  // gpt2: byte-level character token; llama: <0xXX> token or -1
     std::array<uint32_t, 256> byte_cp{};
-    std::unique_ptr<pcre2_code, PcreCodeDeleter> regex;
+    std::unique_ptr<PreTokenizer> pre_tokenizer;
     bool normalize_nfc = false;
     bool ignore_merges = false;
 
@@ -354,6 +305,8 @@ struct Tokenizer::Impl {
         std::string chars;
         std::unordered_map<std::string_view, std::pair<std::string_view, std::string_view>> rev_merge;
         std::unordered_map<std::string_view, std::pair<size_t, size_t>> seen;  // word -> ids at out[first, +n)
+        PreTokenizer::Scratch pre;
+        std::vector<PreTokenizer::Range> words;
     };
 
     void encode_run(std::string_view text, bool after_special, Scratch &scratch, std::vector<int32_t> &out) const;
@@ -445,17 +398,14 @@ Tokenizer Tokenizer::from_gguf(const GgufFile &f) {
     const bool spm = t.model == Impl::Model::SPM;
     if (!spm) {
         const std::string pre = f.get_str(kKeyPre);
-        if (pre == "qwen2") {
-            t.pre = Impl::Pre::QWEN2;
-        } else if (pre == "llama-bpe") {
-            t.pre = Impl::Pre::LLAMA3;
-        } else {
-            fail("{}: metadata '{}' is '{}', expected a supported pre-tokenizer: 'qwen2' or 'llama-bpe'", t.path,
-                 kKeyPre, pre);
-        }
-        // Qwen2's tokenizer.json normalises to NFC; llama3's has no normaliser (decision 0020).
-        t.normalize_nfc = t.pre == Impl::Pre::QWEN2;
-        t.ignore_merges = t.pre == Impl::Pre::LLAMA3;  // llama.cpp sets it for llama-bpe, as HF "ignore_merges"
+        const PreTokenizerSpec *spec = find_pre_tokenizer(pre);
+        if (!spec)
+            fail("{}: metadata '{}' is '{}', expected a supported pre-tokenizer ({})", t.path, kKeyPre, pre,
+                 supported_pre_tokenizers());
+        t.pre_tokenizer = std::make_unique<PreTokenizer>(*spec, t.path);
+        // The normaliser of the family's tokenizer.json (NFC or none; decisions 0020, 0070).
+        t.normalize_nfc = spec->nfc;
+        t.ignore_merges = spec->ignore_merges;
 
         t.byte_cp = gpt2_byte_to_codepoint();
         for (int b = 0; b < 256; ++b) {
@@ -487,18 +437,6 @@ Tokenizer Tokenizer::from_gguf(const GgufFile &f) {
             t.merges.insert(l, r, {int32_t(i), merged});
         }
 
-        int err = 0;
-        PCRE2_SIZE err_off = 0;
-        const std::string pattern = expand_classes(t.pre == Impl::Pre::QWEN2 ? kRegexQwen2 : kRegexLlama3);
-        t.regex.reset(pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(),
-                                    PCRE2_UTF | PCRE2_UCP | PCRE2_NO_UTF_CHECK, &err, &err_off, nullptr));
-        if (!t.regex) {
-            PCRE2_UCHAR msg[256];
-            pcre2_get_error_message(err, msg, sizeof msg);
-            fail("{}: cannot compile the '{}' pre-tokenizer regex: {} at offset {}", t.path, pre,
-                 reinterpret_cast<const char *>(msg), err_off);
-        }
-        pcre2_jit_compile(t.regex.get(), PCRE2_JIT_COMPLETE);  // on failure pcre2_match interprets instead
     } else {
         t.byte_token.fill(-1);
         for (size_t i = 0; i < n; ++i) {
@@ -531,7 +469,7 @@ Tokenizer Tokenizer::from_gguf(const GgufFile &f) {
     t.eot = read_token_id(f, kKeyEot, -1, n);
     t.eom = read_token_id(f, kKeyEom, -1, n);
     t.unk = read_token_id(f, kKeyUnk, spm ? 0 : -1, n);
-    t.add_bos = f.get_bool_or(kKeyAddBos, spm || t.pre == Impl::Pre::LLAMA3);
+    t.add_bos = f.get_bool_or(kKeyAddBos, spm || t.pre_tokenizer->spec().add_bos);
     t.add_eos = f.get_bool_or(kKeyAddEos, false);
     if (t.add_bos && t.bos < 0)
         fail("{}: metadata '{}' is true but '{}' is missing, expected a BOS id", t.path, kKeyAddBos, kKeyBos);
@@ -543,6 +481,10 @@ Tokenizer Tokenizer::from_gguf(const GgufFile &f) {
         if (id >= 0) t.eog[size_t(id)] = true;
     for (std::string_view text : kEogTexts)
         if (const int32_t id = t.lookup(text); id >= 0) t.eog[size_t(id)] = true;
+    // o200k_harmony (gpt-oss) ends a reply with <|return|> or <|call|>; its <|end|> closes one message of a
+    // reply, so it is no end of generation there (llama.cpp's workaround in llama_vocab::impl::load).
+    if (const int32_t end = t.lookup("<|end|>"); end >= 0 && t.lookup("<|return|>") >= 0 && t.lookup("<|call|>") >= 0)
+        t.eog[size_t(end)] = false;
 
     std::array<int16_t, 256 + 68> cp_byte;  // inverse of byte_cp (gpt2): code point -> byte, or -1
     cp_byte.fill(-1);
@@ -657,29 +599,9 @@ void Tokenizer::Impl::encode_run(std::string_view text, bool after_special, Scra
     }
 
     const std::string norm = normalize_nfc ? nfc(text, path) : std::string(text);
-    const auto word = [&](size_t a, size_t b) { cached_word(std::string_view(norm).substr(a, b - a), scratch, out); };
-    std::unique_ptr<pcre2_match_data, PcreMatchDeleter> md(pcre2_match_data_create_from_pattern(regex.get(), nullptr));
-    const auto *subject = reinterpret_cast<PCRE2_SPTR>(norm.data());
-    size_t gap_start = 0, search = 0;
-    // HF Split(behavior=Isolated): every match is a pre-token, and so is the text between matches.
-    while (search < norm.size()) {
-        const int rc = pcre2_match(regex.get(), subject, norm.size(), search, PCRE2_NO_UTF_CHECK, md.get(), nullptr);
-        if (rc == PCRE2_ERROR_NOMATCH) break;
-        if (rc < 0) {
-            PCRE2_UCHAR msg[256];
-            pcre2_get_error_message(rc, msg, sizeof msg);
-            fail("{}: pre-tokenizer regex failed at byte {}: {}", path, search, reinterpret_cast<const char *>(msg));
-        }
-        const PCRE2_SIZE *ov = pcre2_get_ovector_pointer(md.get());
-        if (ov[1] == ov[0]) {  // empty match (not produced by these regexes): step over one character
-            search = ov[0] + utf8_step(subject + ov[0], norm.size() - ov[0]).len;
-            continue;
-        }
-        if (ov[0] > gap_start) word(gap_start, ov[0]);
-        word(ov[0], ov[1]);
-        gap_start = search = ov[1];
-    }
-    if (norm.size() > gap_start) word(gap_start, norm.size());
+    pre_tokenizer->split(norm, scratch.words, scratch.pre);
+    for (const PreTokenizer::Range w : scratch.words)
+        cached_word(std::string_view(norm).substr(w.begin, w.end - w.begin), scratch, out);
 }
 
 // Repeated words of one run reuse the ids of their first occurrence (HF tokenizers keeps a similar cache).

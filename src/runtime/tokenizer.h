@@ -1,5 +1,5 @@
-// Tokenizer built from a GGUF file's tokenizer.ggml.* metadata: byte-level BPE ("gpt2", pre-tokenizers
-// "qwen2" and "llama-bpe") and SentencePiece-style BPE ("llama"). Behaviour and references: docs/tokenizer.md.
+// Tokenizer built from a GGUF file's tokenizer.ggml.* metadata: byte-level BPE ("gpt2", with the pre-tokenizers
+// of pre-tokenizer.h) and SentencePiece-style BPE ("llama"). Behaviour and references: docs/tokenizer.md.
 #pragma once
 
 #include <cstdint>
@@ -19,10 +19,11 @@ enum class TokenType : int32_t {
 
 /// An immutable tokenizer; cheap to copy (shared state) and safe to use from several threads at once.
 ///
-/// gpt2 model: the text is split on special tokens, NFC-normalised (qwen2 only, as Qwen2's tokenizer.json
-/// does), split by the pre-tokenizer regex (PCRE2, the regexes of HF tokenizer.json / llama.cpp
-/// llama-vocab.cpp), mapped to GPT-2 byte-level characters and merged by merge rank (lowest first, leftmost
-/// on ties; HF tokenizers BPE::merge_word). llama-bpe looks a whole pre-token up first (ignore_merges).
+/// gpt2 model: the text is split on special tokens, NFC-normalised where the family's tokenizer.json does
+/// (qwen2, qwen35, olmo), split by the family's pre-tokenizer regexes (pre-tokenizer.h: the regexes of HF
+/// tokenizer.json, as llama.cpp llama-vocab.cpp names them), mapped to GPT-2 byte-level characters and merged
+/// by merge rank (lowest first, leftmost on ties; HF tokenizers BPE::merge_word). llama-bpe looks a whole
+/// pre-token up first (ignore_merges).
 /// llama model: SentencePiece BPE as in sentencepiece bpe_model.cc and llama.cpp llm_tokenizer_spm: spaces
 /// become U+2581, a space is prepended to each text run (add_space_prefix), adjacent pieces are merged by
 /// highest score (leftmost on ties), pieces that are no token fall back to <0xXX> byte tokens, else unk.
@@ -56,10 +57,11 @@ class Tokenizer {
     int32_t bos() const;  // -1 when the model has none
     int32_t eos() const;  // -1 when the model has none
     /// End of generation: eos, eot, eom, and tokens llama.cpp treats so by their text (<|im_end|>,
-    /// <|endoftext|>, <|eot_id|>, </s>, ...; llama_vocab::impl::load). False for ids outside the vocabulary.
+    /// <|endoftext|>, <|eot_id|>, </s>, <|return|>, ...; llama_vocab::impl::load; with gpt-oss's <|return|> and
+    /// <|call|> present, <|end|> is not one). False for ids outside the vocabulary.
     bool is_eog(int32_t id) const;
     /// Whether encode(text, add_special=true, ...) starts with BOS (tokenizer.ggml.add_bos_token; default
-    /// true for llama and llama-bpe, false for qwen2, as llama.cpp).
+    /// true for llama and llama-bpe, false for the other pre-tokenizers, as llama.cpp).
     bool add_bos() const;
 
     /// Id of the token whose text is exactly `text`, or -1.

@@ -260,7 +260,7 @@ TEST(Tokenizer, BadMetadataIsAClearError) {
     const std::vector<std::pair<std::string, std::string>> cases = {
         {"model-unknown", "'tokenizer.ggml.model' is 'wordpiece', expected 'gpt2'"},
         {"model-missing", "missing metadata 'tokenizer.ggml.model'"},
-        {"pre-unknown", "'tokenizer.ggml.pre' is 'deepseek-llm', expected a supported pre-tokenizer"},
+        {"pre-unknown", "'tokenizer.ggml.pre' is 'chameleon', expected a supported pre-tokenizer ('default', "},
         {"pre-missing", "missing metadata 'tokenizer.ggml.pre'"},
         {"tokens-missing", "missing metadata 'tokenizer.ggml.tokens'"},
         {"scores-short", "'tokenizer.ggml.scores' has 2 entries, expected 3"},

@@ -9,7 +9,7 @@ Entry points:
     write_vocab_only(hf_dir, out_path, arch="llama", pre=None) -> None
         A GGUF holding only tokenizer metadata (like llama.cpp's models/ggml-vocab-*.gguf).
     detect_bpe_pre(tokenizer_json) -> str | None
-        Pre-tokenizer name ("qwen2", "llama-bpe") from the Split regex of a tokenizer.json.
+        Pre-tokenizer name ("qwen2", "llama-bpe", "deepseek-v3", ...) from the pre_tokenizer of a tokenizer.json.
 
 Token types follow gguf.TokenType: NORMAL=1, UNKNOWN=2, CONTROL=3, USER_DEFINED=4, UNUSED=5, BYTE=6.
 """
@@ -21,15 +21,24 @@ from typing import Any
 
 import gguf
 
-# The Split regexes of HF tokenizer.json files and the llama.cpp pre-tokenizer each one is (llama-vocab.cpp,
-# LLAMA_VOCAB_PRE_TYPE_QWEN2 / _LLAMA3; the only difference is \p{N} vs \p{N}{1,3} for digit runs).
+# A Split regex of HF tokenizer.json files and the llama.cpp pre-tokenizer it identifies (llama-vocab.cpp;
+# runtime/pre-tokenizer.cpp holds the same regexes, decision 0070).
 _PRE_REGEX = {
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+":
         "qwen2",
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+":
         "llama-bpe",
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|"
+    r"\s+(?!\S)|\s+": "qwen35",
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
+    r"\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+": "gpt-4o",
+    "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+| ?[\\p{P}\\p{S}]+"
+    "[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+": "deepseek-v3",
+    "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+": "deepseek-llm",
 }
 
+KNOWN_PRE = sorted(set(_PRE_REGEX.values()) | {"olmo", "gpt-2"})
 SPECIAL_TOKEN_KINDS = ("bos", "eos", "unk", "pad")
 
 
@@ -72,6 +81,10 @@ def detect_bpe_pre(tokenizer_json: Path) -> str | None:
     for rx in _split_regexes(tok.get("pre_tokenizer")):
         if rx in _PRE_REGEX:
             return _PRE_REGEX[rx]
+    # ByteLevel with its own (GPT-2) regex: OLMo's GPT-NeoX tokenizer normalises to NFC, GPT-2's does not.
+    pre, norm = tok.get("pre_tokenizer") or {}, tok.get("normalizer") or {}
+    if pre.get("type") == "ByteLevel" and pre.get("use_regex", True):
+        return "olmo" if norm.get("type") == "NFC" else "gpt-2"
     return None
 
 
@@ -300,7 +313,7 @@ def add_tokenizer(writer: gguf.GGUFWriter, hf_dir: Path, pre: str | None = None,
         if pre is None:
             pre = detect_bpe_pre(tj)
             if pre is None:
-                raise VocabError(f"{tj}: pre-tokenizer regex is not one we know (qwen2, llama-bpe); pass --pre")
+                raise VocabError(f"{tj}: pre-tokenizer is not one we know ({', '.join(KNOWN_PRE)}); pass --pre")
         tokens, added = add_bpe_vocab(writer, tj, pre, n_vocab)
         add_special_tokens(writer, hf_dir, added, len(tokens), default_add_bos=False)
         return "gpt2"

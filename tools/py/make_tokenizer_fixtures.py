@@ -390,7 +390,7 @@ def make_bad_fixtures(out: Path) -> None:
 
     write("model-unknown", lambda w: (w.add_tokenizer_model("wordpiece"), w.add_token_list(["a"])))
     write("model-missing", lambda w: w.add_token_list(["a"]))
-    write("pre-unknown", lambda w: gpt2(w, pre="deepseek-llm"))
+    write("pre-unknown", lambda w: gpt2(w, pre="chameleon"))
     write("pre-missing", lambda w: (w.add_tokenizer_model("gpt2"), w.add_token_list(gpt2_tokens),
                                     w.add_token_merges(["Ġ Ġ"])))
     write("tokens-missing", lambda w: (w.add_tokenizer_model("gpt2"), w.add_tokenizer_pre("qwen2")))
