@@ -122,7 +122,8 @@ def probe(args):
     if args.expert_ffn:
         overrides["moe_intermediate_size"] = args.expert_ffn
     run = dict(spec=args.spec, steps=args.steps, batch=args.batch, seq=args.seq, lr=args.lr, warmup=args.warmup,
-               aux=args.aux, balance=args.balance, seed=args.seed, eval_windows=args.eval_windows, overrides=overrides)
+               aux=args.aux, balance=args.balance, seq_aux=args.seq_aux, seed=args.seed,
+               eval_windows=args.eval_windows, overrides=overrides)
     val_windows = tm.eval_windows(data["validation"], args.seq, args.eval_windows)
     deadline = time.time() + args.max_train_s
     model, rec = tm.train_model(run, data["train"], val_windows, tok.get_vocab_size(), eos_id, device, deadline,
@@ -132,12 +133,13 @@ def probe(args):
     realism = rs.realism_stats(ids, bounds_of(seqs), moe_model.n_experts_of(model.config))
     row = {"command": "python3 tools/train/train_balanced.py " + " ".join(sys.argv[2:]),
            "spec": args.spec, "overrides": overrides, "balance": args.balance, "aux": args.aux,
+           "seq_aux": args.seq_aux,
            "steps_done": rec["steps_done"], "tokens_seen": rec["tokens_seen"], "train_seconds": rec["train_seconds"],
            "params": rec["params"], "device": device.type, "validation": rec["validation"],
            "final_train_ce": rec["loss_curve"][-1]["ce"] if rec["loss_curve"] else None,
            "final_aux": rec["loss_curve"][-1]["aux"] if rec["loss_curve"] else None,
            "routed_tokens": int(len(ids)), "realism": realism}
-    log(f"probe {args.spec} {overrides} {args.balance} aux {args.aux}: ppl {rec['validation']['ppl']:.1f} "
+    log(f"probe {args.spec} {overrides} {args.balance} aux {args.aux} seq-aux {args.seq_aux}: ppl {rec['validation']['ppl']:.1f} "
         f"(unigram {rec['validation']['unigram_ppl']:.0f}); medians "
         + ", ".join(f"{k} {v:.3f}" for k, v in realism["median"].items()))
     if args.json:
@@ -305,6 +307,7 @@ def main():
     p.add_argument("--expert-ffn", type=int, help="override the expert FFN width")
     p.add_argument("--balance", default="per-layer", choices=["per-layer", "hf"])
     p.add_argument("--aux", type=float, default=0.01, help="load-balancing loss coefficient")
+    p.add_argument("--seq-aux", type=float, default=0.0, help="sequence-wise balance loss coefficient (per window)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=256)
