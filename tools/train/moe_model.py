@@ -29,9 +29,9 @@ MODEL_SPECS = {
     # and Mixtral-8x7B's (32 x 8, top-2; llama architecture with experts, GQA, no QK-norm), wider than the first topo.
     "topo-b": dict(hidden_size=128, num_hidden_layers=48, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                    num_experts=128, num_experts_per_tok=8, moe_intermediate_size=32),
-    "topo-mixtral": dict(arch="mixtral", hidden_size=256, num_hidden_layers=32, num_attention_heads=8,
-                         num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
-                         moe_intermediate_size=512),
+    "topo-mixtral": dict(arch="mixtral", hidden_size=128, num_hidden_layers=32, num_attention_heads=4,
+                         num_key_value_heads=1, head_dim=32, num_experts=8, num_experts_per_tok=2,
+                         moe_intermediate_size=448),
     # --smoke shapes: same code paths, Q8_0-compatible row lengths (multiples of 32).
     "demo-smoke": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                        head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32),
