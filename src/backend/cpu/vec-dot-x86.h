@@ -1,0 +1,422 @@
+// x86 integer dot products of quantized weight rows with activations quantized to their vec-dot type
+// (core/dtype.h vec_dot_type), and the activation quantizers, on 256-bit vectors. The technique is
+// ggml-cpu's (arch/x86/quants.c): weights unpacked to bytes, u8 x s8 products summed in pairs by
+// vpmaddubsw (never saturating here: |u8| <= 128 and |s8| <= 127 give at most 32512), weighted by the
+// 16-bit group scales with vpmaddwd, integer sums per super-block, F32 across blocks.
+//
+// Include from kernels-avx2.cpp / kernels-avx512.cpp inside their target region, after defining I:
+// I::dot_u8s8(u, s) = 8 int32 lanes, each the sum of 4 adjacent products u[k] * s[k] (u unsigned, s
+// signed bytes): vpmaddubsw + vpmaddwd on AVX2, vpdpbusd with VNNI.
+#pragma once
+
+#include "core/dtype.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+using namespace prescope;
+
+inline float hsum_ps(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+inline int32_t hsum_epi32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 1));
+    return _mm_cvtsi128_si32(s);
+}
+
+inline float f16(uint16_t h) { return _cvtsh_ss(h); }
+
+inline __m256i load256(const void *p) { return _mm256_loadu_si256(static_cast<const __m256i *>(p)); }
+
+/// The 32 nibbles of 16 bytes in a 32-block's weight order: low nibbles in bytes 0-15, high in 16-31.
+inline __m256i nibbles32(const uint8_t *p) {
+    const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i *>(p));
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), _mm256_set1_epi8(0x0F));
+}
+
+/// The bits of a little-endian u32 as 32 bytes: byte j is 0xFF where bit j is set, else 0.
+inline __m256i bits32(const uint8_t *p) {
+    uint32_t u;
+    std::memcpy(&u, p, 4);
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32(int(u)),
+        _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0x0000000000000000));
+    const __m256i probe = _mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+    return _mm256_cmpeq_epi8(probe, _mm256_set1_epi64x(-1));
+}
+
+/// A 16-entry int8 code book in both 128-bit lanes, for vpshufb lookups of nibbles.
+inline __m256i code_book(const int8_t *values) {
+    return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i *>(values)));
+}
+
+/// Broadcasts 16-bit lane g (0..7) of each 128-bit half to all lanes of that half.
+inline __m256i broadcast_i16(__m256i v, int g) {
+    return _mm256_shuffle_epi8(v, _mm256_set1_epi16(short(0x0100 + 0x0202 * g)));
+}
+
+/// 16 int16 lanes: lanes 0-7 = s[a], lanes 8-15 = s[a + 1] (the scales of two groups of 16), from 16
+/// signed (or, with unsigned_scales, unsigned) bytes s.
+inline __m256i pair_scales(__m128i s, int a, bool unsigned_scales) {
+    const __m128i pick = _mm_shuffle_epi8(
+        s, _mm_set_epi64x(int64_t(0x0101010101010101ull * uint64_t(a + 1)), int64_t(0x0101010101010101ull * uint64_t(a))));
+    return unsigned_scales ? _mm256_cvtepu8_epi16(pick) : _mm256_cvtepi8_epi16(pick);
+}
+
+/// roundf of each lane (half away from zero), exact for |v| < 2^23.
+inline __m256 round_half_away(__m256 v) {
+    const __m256 t = _mm256_round_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+    const __m256 sign = _mm256_and_ps(v, _mm256_set1_ps(-0.0f));
+    const __m256 frac = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), _mm256_sub_ps(v, t));
+    const __m256 step = _mm256_and_ps(_mm256_cmp_ps(frac, _mm256_set1_ps(0.5f), _CMP_GE_OQ),
+                                      _mm256_or_ps(sign, _mm256_set1_ps(1.0f)));
+    return _mm256_add_ps(t, step);
+}
+
+/// 32 int32 values (within int8 range) as 32 bytes in order.
+inline __m256i pack_i8(__m256i a, __m256i b, __m256i c, __m256i d) {
+    const __m256i ab = _mm256_packs_epi32(a, b), cd = _mm256_packs_epi32(c, d);
+    return _mm256_permutevar8x32_epi32(_mm256_packs_epi16(ab, cd), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+inline float abs_max(const float *x, int64_t n) {
+    __m256 m = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n; j += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), _mm256_loadu_ps(x + j)));
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+// Weights of one 32-block as 32 bytes in element order (signed; unsigned for Q4_1 / Q5_1) and its scale.
+struct UnpackQ8_0 {
+    static __m256i q(const BlockQ8_0 &b) { return load256(b.qs); }
+    static float d(const BlockQ8_0 &b) { return f16(b.d); }
+};
+struct UnpackQ4_0 {
+    static __m256i q(const BlockQ4_0 &b) { return _mm256_sub_epi8(nibbles32(b.qs), _mm256_set1_epi8(8)); }
+    static float d(const BlockQ4_0 &b) { return f16(b.d); }
+};
+struct UnpackQ5_0 {
+    // q - 16: the nibble where bit 4 is set, the nibble | 0xF0 (= nibble - 16) where it is clear.
+    static __m256i q(const BlockQ5_0 &b) {
+        return _mm256_or_si256(nibbles32(b.qs), _mm256_andnot_si256(bits32(b.qh), _mm256_set1_epi8(char(0xF0))));
+    }
+    static float d(const BlockQ5_0 &b) { return f16(b.d); }
+};
+struct UnpackIQ4_NL {
+    static __m256i q(const BlockIQ4_NL &b) { return _mm256_shuffle_epi8(code_book(kIq4nlValues), nibbles32(b.qs)); }
+    static float d(const BlockIQ4_NL &b) { return f16(b.d); }
+};
+struct UnpackMXFP4 {
+    static __m256i q(const BlockMXFP4 &b) { return _mm256_shuffle_epi8(code_book(kMxfp4Values), nibbles32(b.qs)); }
+    static float d(const BlockMXFP4 &b) { return e8m0_to_fp32_half(b.e); }
+};
+struct UnpackQ4_1 {
+    static __m256i q(const BlockQ4_1 &b) { return nibbles32(b.qs); }
+};
+struct UnpackQ5_1 {
+    static __m256i q(const BlockQ5_1 &b) {
+        return _mm256_or_si256(nibbles32(b.qs), _mm256_and_si256(bits32(b.qh), _mm256_set1_epi8(0x10)));
+    }
+};
+
+template <class I> struct X86Quant {
+    /// 8 int32 lanes of sums of 4 signed x signed byte products (the sign moved onto y).
+    static __m256i dot_s8s8(__m256i x, __m256i y) { return I::dot_u8s8(_mm256_sign_epi8(x, x), _mm256_sign_epi8(y, x)); }
+    /// 16 int16 lanes of sums of 2 signed x signed byte products.
+    static __m256i madd_s8s8(__m256i x, __m256i y) {
+        return _mm256_maddubs_epi16(_mm256_sign_epi8(x, x), _mm256_sign_epi8(y, x));
+    }
+
+    // ---- activation quantizers (bit for bit core/dtype.h's references) ----
+
+    /// One block of 32 (Q8_0 / Q8_1): the quants at qs, their sum; returns the F32 scale amax / 127.
+    static float quantize_32(const float *x, int8_t *qs, int32_t &sum) {
+        const float d = abs_max(x, 32) / 127.0f;
+        const __m256 id = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+        __m256i q[4];
+        for (int k = 0; k < 4; ++k)
+            q[k] = _mm256_cvtps_epi32(round_half_away(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * k), id)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i *>(qs), pack_i8(q[0], q[1], q[2], q[3]));
+        sum = hsum_epi32(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
+        return d;
+    }
+    static void quantize_q8_0(const float *x, void *dst, int64_t n) {
+        auto *b = static_cast<BlockQ8_0 *>(dst);
+        int32_t sum;
+        for (int64_t i = 0; i < n / QK8_0; ++i) b[i].d = fp32_to_fp16(quantize_32(x + i * QK8_0, b[i].qs, sum));
+    }
+    static void quantize_q8_1(const float *x, void *dst, int64_t n) {
+        auto *b = static_cast<BlockQ8_1 *>(dst);
+        int32_t sum;
+        for (int64_t i = 0; i < n / QK8_1; ++i) {
+            const float d = quantize_32(x + i * QK8_1, b[i].qs, sum);
+            b[i].d = fp32_to_fp16(d);
+            b[i].s = fp32_to_fp16(float(sum) * d);
+        }
+    }
+    static void quantize_q8_K(const float *x, void *dst, int64_t n) {
+        auto *b = static_cast<BlockQ8_K *>(dst);
+        for (int64_t i = 0; i < n / QK_K; ++i, x += QK_K) {
+            const float amax = abs_max(x, QK_K);
+            if (amax == 0.0f) {
+                b[i] = BlockQ8_K{};
+                continue;
+            }
+            int64_t j = 0;
+            while (std::fabs(x[j]) != amax) ++j;  // the first element of largest magnitude, as ggml
+            const float iscale = -127.0f / x[j];
+            const __m256 s = _mm256_set1_ps(iscale);
+            const __m256i top = _mm256_set1_epi32(127);
+            for (int k = 0; k < QK_K; k += 32) {
+                __m256i q[4];
+                // vcvtps2dq rounds half to even (MXCSR default), as nearest_int's magic-number add does.
+                for (int u = 0; u < 4; ++u)
+                    q[u] = _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(s, _mm256_loadu_ps(x + k + 8 * u))), top);
+                _mm256_storeu_si256(reinterpret_cast<__m256i *>(b[i].qs + k), pack_i8(q[0], q[1], q[2], q[3]));
+            }
+            for (int g = 0; g < QK_K / 16; ++g) {
+                const __m128i q16 = _mm_loadu_si128(reinterpret_cast<const __m128i *>(b[i].qs + 16 * g));
+                b[i].bsums[g] = int16_t(hsum_epi32(_mm256_madd_epi16(_mm256_cvtepi8_epi16(q16), _mm256_set1_epi16(1))));
+            }
+            b[i].d = 1.0f / iscale;
+        }
+    }
+
+    // ---- dot products ----
+
+    /// Types with one scale per 32-block against Q8_0; U::q(block): the weights as 32 signed bytes,
+    /// U::d(block): the block's F32 scale.
+    template <class U, class B> static float dot_blocks32(int64_t n, const B *x, const BlockQ8_0 *y) {
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+        const int64_t nb = n / 32;
+        int64_t i = 0;
+        for (; i + 2 <= nb; i += 2) {
+            const __m256i p0 = dot_s8s8(U::q(x[i]), load256(y[i].qs));
+            const __m256i p1 = dot_s8s8(U::q(x[i + 1]), load256(y[i + 1].qs));
+            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(U::d(x[i]) * f16(y[i].d)), _mm256_cvtepi32_ps(p0), acc0);
+            acc1 = _mm256_fmadd_ps(_mm256_set1_ps(U::d(x[i + 1]) * f16(y[i + 1].d)), _mm256_cvtepi32_ps(p1), acc1);
+        }
+        if (i < nb) {
+            const __m256i p0 = dot_s8s8(U::q(x[i]), load256(y[i].qs));
+            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(U::d(x[i]) * f16(y[i].d)), _mm256_cvtepi32_ps(p0), acc0);
+        }
+        return hsum_ps(_mm256_add_ps(acc0, acc1));
+    }
+
+    /// Q4_1 / Q5_1 against Q8_1: U::q(block) the unsigned weights; d_x d_y sum(q y) + m_x s_y.
+    template <class U, class B> static float dot_blocks32_min(int64_t n, const B *x, const BlockQ8_1 *y) {
+        __m256 acc = _mm256_setzero_ps();
+        float mins = 0.0f;
+        for (int64_t i = 0; i < n / 32; ++i) {
+            const __m256i p = I::dot_u8s8(U::q(x[i]), load256(y[i].qs));
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(x[i].d) * f16(y[i].d)), _mm256_cvtepi32_ps(p), acc);
+            mins += f16(x[i].m) * f16(y[i].s);
+        }
+        return hsum_ps(acc) + mins;
+    }
+
+    /// Q4_K / Q5_K against Q8_K: 8 groups of 32 with 6-bit scales and mins (the min term through bsums).
+    template <class B> static float dot_k4(int64_t n, const B *x, const BlockQ8_K *y) {
+        constexpr bool kFiveBits = requires { x->qh; };
+        const __m256i m4 = _mm256_set1_epi8(0x0F), m1 = _mm256_set1_epi8(1);
+        __m256 acc = _mm256_setzero_ps();
+        __m128 acc_m = _mm_setzero_ps();
+        for (int64_t i = 0; i < n / QK_K; ++i) {
+            const float d = y[i].d * f16(x[i].d), dmin = -y[i].d * f16(x[i].dmin);
+            // The 12 packed bytes as 8 scales then 8 mins (get_scale_min_k4 for all groups at once).
+            uint32_t u[4];
+            std::memcpy(u, x[i].scales, 12);
+            constexpr uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
+            u[3] = ((u[2] >> 4) & kmask2) | (((u[1] >> 6) & kmask3) << 4);
+            const uint32_t mins_lo = u[1] & kmask1;
+            u[1] = (u[2] & kmask2) | (((u[0] >> 6) & kmask3) << 4);
+            u[2] = mins_lo;
+            u[0] &= kmask1;
+            const __m256i sm = _mm256_cvtepu8_epi16(_mm_set_epi32(int(u[3]), int(u[2]), int(u[1]), int(u[0])));
+            const __m256i bsums = load256(y[i].bsums);
+            const __m128i gsums = _mm_hadd_epi16(_mm256_castsi256_si128(bsums), _mm256_extracti128_si256(bsums, 1));
+            acc_m = _mm_fmadd_ps(_mm_set1_ps(dmin),
+                                 _mm_cvtepi32_ps(_mm_madd_epi16(_mm256_extracti128_si256(sm, 1), gsums)), acc_m);
+            const __m128i sc128 = _mm256_castsi256_si128(sm);
+            const __m256i scales = _mm256_set_m128i(sc128, sc128);
+            __m256i hbits = _mm256_setzero_si256();
+            if constexpr (kFiveBits) hbits = load256(x[i].qh);
+            __m256i sumi = _mm256_setzero_si256();
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; ++j) {
+                const __m256i qbits = load256(x[i].qs + 32 * j);
+                __m256i ql = _mm256_and_si256(qbits, m4), qh = _mm256_and_si256(_mm256_srli_epi16(qbits, 4), m4);
+                if constexpr (kFiveBits) {
+                    ql = _mm256_or_si256(ql, _mm256_slli_epi16(_mm256_and_si256(hbits, m1), 4));
+                    qh = _mm256_or_si256(qh, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 1), m1), 4));
+                    hbits = _mm256_srli_epi16(hbits, 2);
+                }
+                const __m256i pl = _mm256_madd_epi16(broadcast_i16(scales, 2 * j),
+                                                     _mm256_maddubs_epi16(ql, load256(y[i].qs + 64 * j)));
+                const __m256i ph = _mm256_madd_epi16(broadcast_i16(scales, 2 * j + 1),
+                                                     _mm256_maddubs_epi16(qh, load256(y[i].qs + 64 * j + 32)));
+                sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(pl, ph));
+            }
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+        }
+        acc_m = _mm_add_ps(acc_m, _mm_movehl_ps(acc_m, acc_m));
+        acc_m = _mm_add_ss(acc_m, _mm_movehdup_ps(acc_m));
+        return hsum_ps(acc) + _mm_cvtss_f32(acc_m);
+    }
+
+    static float dot_q6_k(int64_t n, const BlockQ6_K *x, const BlockQ8_K *y) {
+        const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3), m32 = _mm256_set1_epi8(32);
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t i = 0; i < n / QK_K; ++i) {
+            const float d = y[i].d * f16(x[i].d);
+            const __m128i scales = _mm_loadu_si128(reinterpret_cast<const __m128i *>(x[i].scales));
+            __m256i sumi = _mm256_setzero_si256();
+            for (int half = 0; half < 2; ++half) {
+                const __m256i lo = load256(x[i].ql + 64 * half), hi = load256(x[i].ql + 64 * half + 32);
+                const __m256i hb = load256(x[i].qh + 32 * half);
+                // Chunk k of 32 weights: nibble (low of lo, low of hi, high of lo, high of hi) | 2 bits of hb << 4.
+                const __m256i q[4] = {
+                    _mm256_or_si256(_mm256_and_si256(lo, m4), _mm256_slli_epi16(_mm256_and_si256(hb, m2), 4)),
+                    _mm256_or_si256(_mm256_and_si256(hi, m4),
+                                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), m2), 4)),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo, 4), m4),
+                                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), m2), 4)),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(hi, 4), m4),
+                                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), m2), 4)),
+                };
+#pragma GCC unroll 4
+                for (int k = 0; k < 4; ++k) {
+                    const __m256i a = load256(y[i].qs + 128 * half + 32 * k);
+                    // (q - 32) . a = q . a - 32 * sum(a), both in int16 pairs.
+                    const __m256i p = _mm256_sub_epi16(_mm256_maddubs_epi16(q[k], a), _mm256_maddubs_epi16(m32, a));
+                    sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(pair_scales(scales, 8 * half + 2 * k, false), p));
+                }
+            }
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+        }
+        return hsum_ps(acc);
+    }
+
+    static float dot_q3_k(int64_t n, const BlockQ3_K *x, const BlockQ8_K *y) {
+        const __m256i m3 = _mm256_set1_epi8(3), m1 = _mm256_set1_epi8(1);
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t i = 0; i < n / QK_K; ++i) {
+            const float d = y[i].d * f16(x[i].d);
+            int8_t s6[16];
+            q3k_scales(x[i].scales, s6);
+            const __m128i scales = _mm_loadu_si128(reinterpret_cast<const __m128i *>(s6));
+            __m256i hbits = load256(x[i].hmask);
+            __m256i sumi = _mm256_setzero_si256();
+            for (int half = 0; half < 2; ++half) {
+                const __m256i qbits = load256(x[i].qs + 32 * half);
+#pragma GCC unroll 4
+                for (int j = 0; j < 4; ++j) {
+                    const __m256i q2 = _mm256_and_si256(_mm256_srli_epi16(qbits, 2 * j), m3);
+                    // q = q2 - 4 where the high bit is clear: q . a = q2 . a - (4 * !hbit) . a.
+                    const __m256i sub4 = _mm256_slli_epi16(_mm256_andnot_si256(hbits, m1), 2);
+                    hbits = _mm256_srli_epi16(hbits, 1);
+                    const __m256i a = load256(y[i].qs + 128 * half + 32 * j);
+                    const __m256i p = _mm256_sub_epi16(_mm256_maddubs_epi16(q2, a), _mm256_maddubs_epi16(sub4, a));
+                    sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(pair_scales(scales, 8 * half + 2 * j, false), p));
+                }
+            }
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+        }
+        return hsum_ps(acc);
+    }
+
+    static float dot_q2_k(int64_t n, const BlockQ2_K *x, const BlockQ8_K *y) {
+        const __m256i m3 = _mm256_set1_epi8(3);
+        const __m128i m4 = _mm_set1_epi8(0x0F);
+        __m256 acc = _mm256_setzero_ps(), acc_m = _mm256_setzero_ps();
+        for (int64_t i = 0; i < n / QK_K; ++i) {
+            const float d = y[i].d * f16(x[i].d), dmin = -y[i].d * f16(x[i].dmin);
+            const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i *>(x[i].scales));
+            const __m128i scales = _mm_and_si128(packed, m4);
+            const __m256i mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), m4));
+            acc_m = _mm256_fmadd_ps(_mm256_set1_ps(dmin),
+                                    _mm256_cvtepi32_ps(_mm256_madd_epi16(mins, load256(y[i].bsums))), acc_m);
+            __m256i sumi = _mm256_setzero_si256();
+            for (int half = 0; half < 2; ++half) {
+                const __m256i qbits = load256(x[i].qs + 32 * half);
+#pragma GCC unroll 4
+                for (int j = 0; j < 4; ++j) {
+                    const __m256i q2 = _mm256_and_si256(_mm256_srli_epi16(qbits, 2 * j), m3);
+                    const __m256i p = _mm256_maddubs_epi16(q2, load256(y[i].qs + 128 * half + 32 * j));
+                    sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(pair_scales(scales, 8 * half + 2 * j, true), p));
+                }
+            }
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+        }
+        return hsum_ps(acc) + hsum_ps(acc_m);
+    }
+
+    static float dot_iq4_xs(int64_t n, const BlockIQ4_XS *x, const BlockQ8_K *y) {
+        const __m256i book = code_book(kIq4nlValues);
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t i = 0; i < n / QK_K; ++i) {
+            const float d = y[i].d * f16(x[i].d);
+            __m256i sumi = _mm256_setzero_si256();
+#pragma GCC unroll 8
+            for (int g = 0; g < 8; ++g) {
+                const int ls = (((x[i].scales_l[g / 2] >> 4 * (g % 2)) & 0xF) | (((x[i].scales_h >> 2 * g) & 3) << 4)) - 32;
+                const __m256i q = _mm256_shuffle_epi8(book, nibbles32(x[i].qs + 16 * g));
+                const __m256i p = madd_s8s8(q, load256(y[i].qs + 32 * g));
+                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_set1_epi16(short(ls)), p));
+            }
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+        }
+        return hsum_ps(acc);
+    }
+
+    /// dot(weight row w of type D, activations a of vec_dot_type(D)), n elements.
+    template <DType D> static float dot(int64_t n, const void *w, const void *a) {
+        const auto *a0 = static_cast<const BlockQ8_0 *>(a);
+        const auto *a1 = static_cast<const BlockQ8_1 *>(a);
+        const auto *ak = static_cast<const BlockQ8_K *>(a);
+        if constexpr (D == DType::Q8_0) {
+            return dot_blocks32<UnpackQ8_0>(n, static_cast<const BlockQ8_0 *>(w), a0);
+        } else if constexpr (D == DType::Q4_0) {
+            return dot_blocks32<UnpackQ4_0>(n, static_cast<const BlockQ4_0 *>(w), a0);
+        } else if constexpr (D == DType::Q5_0) {
+            return dot_blocks32<UnpackQ5_0>(n, static_cast<const BlockQ5_0 *>(w), a0);
+        } else if constexpr (D == DType::IQ4_NL) {
+            return dot_blocks32<UnpackIQ4_NL>(n, static_cast<const BlockIQ4_NL *>(w), a0);
+        } else if constexpr (D == DType::MXFP4) {
+            return dot_blocks32<UnpackMXFP4>(n, static_cast<const BlockMXFP4 *>(w), a0);
+        } else if constexpr (D == DType::Q4_1) {
+            return dot_blocks32_min<UnpackQ4_1>(n, static_cast<const BlockQ4_1 *>(w), a1);
+        } else if constexpr (D == DType::Q5_1) {
+            return dot_blocks32_min<UnpackQ5_1>(n, static_cast<const BlockQ5_1 *>(w), a1);
+        } else if constexpr (D == DType::Q4_K) {
+            return dot_k4(n, static_cast<const BlockQ4_K *>(w), ak);
+        } else if constexpr (D == DType::Q5_K) {
+            return dot_k4(n, static_cast<const BlockQ5_K *>(w), ak);
+        } else if constexpr (D == DType::Q6_K) {
+            return dot_q6_k(n, static_cast<const BlockQ6_K *>(w), ak);
+        } else if constexpr (D == DType::Q3_K) {
+            return dot_q3_k(n, static_cast<const BlockQ3_K *>(w), ak);
+        } else if constexpr (D == DType::Q2_K) {
+            return dot_q2_k(n, static_cast<const BlockQ2_K *>(w), ak);
+        } else {
+            static_assert(D == DType::IQ4_XS);
+            return dot_iq4_xs(n, static_cast<const BlockIQ4_XS *>(w), ak);
+        }
+    }
+};
+
+} // namespace
