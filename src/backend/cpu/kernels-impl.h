@@ -203,7 +203,7 @@ void gemv_dequant(const uint8_t *w, size_t w_stride, int64_t n_rows, int64_t n, 
     thread_local std::vector<float> row;
     row.resize(size_t(n));
     for (int64_t r = 0; r < n_rows; ++r) {
-        prescope::dequantize_row(D, w + size_t(r) * w_stride, row.data(), n);
+        S::Quant::template dequant_row<D>(w + size_t(r) * w_stride, row.data(), n);
         gemv<S, DType::F32>(reinterpret_cast<const uint8_t *>(row.data()), 0, 1, n, x, ldx, n_tok, y + r, ldy);
     }
 }
@@ -216,7 +216,7 @@ void convert(const uint8_t *w, size_t w_stride, int64_t n_rows, int64_t n, float
         const uint8_t *src = w + size_t(r) * w_stride;
         float *d = dst + r * n;
         if constexpr (D != DType::F32 && D != DType::F16 && D != DType::BF16 && D != DType::Q8_0) {
-            prescope::dequantize_row(D, src, d, n);
+            S::Quant::template dequant_row<D>(src, d, n);
         } else if constexpr (D == DType::Q8_0) {
             const auto *blk = reinterpret_cast<const BlockQ8_0 *>(src);
             for (int64_t b = 0; b < n / QK8_0; ++b) {

@@ -49,6 +49,9 @@ struct ScalarQuant {
         quantize_row_q8_K(x, static_cast<BlockQ8_K *>(dst), n);
     }
 
+    /// Row w of type D as F32: the reference.
+    template <DType D> static void dequant_row(const void *w, float *y, int64_t n) { dequantize_row(D, w, y, n); }
+
     /// dot(weight row w of type D, activations a of vec_dot_type(D)), n elements.
     template <DType D> static float dot(int64_t n, const void *w, const void *a);
 };

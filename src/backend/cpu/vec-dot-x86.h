@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace {
 
@@ -381,6 +382,142 @@ template <class I> struct X86Quant {
             acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
         }
         return hsum_ps(acc);
+    }
+
+    // ---- dequantization for the GEMM tiles: the reference's F32 operations (float(q) * d, then - m or
+    // + m, never fused), so the results are bit for bit dequantize_row's ----
+
+    /// y[j] = float(q[j]) * d - m (kAdd: + m) for j < 8k, q the 8k bytes at p (signed or unsigned).
+    template <bool kSigned, bool kAdd = false>
+    static void emit(const uint8_t *p, int count, float d, float m, float *y) {
+        const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
+        for (int j = 0; j < count; j += 8) {
+            const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i *>(p + j));
+            const __m256 q = _mm256_cvtepi32_ps(kSigned ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
+            const __m256 v = _mm256_mul_ps(q, vd);
+            _mm256_storeu_ps(y + j, kAdd ? _mm256_add_ps(v, vm) : _mm256_sub_ps(v, vm));
+        }
+    }
+    static void store32(uint8_t *buf, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i *>(buf), v); }
+
+    template <DType D> static void dequant_row(const void *w, float *y, int64_t n) {
+        alignas(32) uint8_t q[32];
+        if constexpr (D == DType::Q4_0 || D == DType::Q5_0 || D == DType::IQ4_NL || D == DType::MXFP4) {
+            using B = std::conditional_t<D == DType::Q4_0, BlockQ4_0,
+                      std::conditional_t<D == DType::Q5_0, BlockQ5_0,
+                      std::conditional_t<D == DType::IQ4_NL, BlockIQ4_NL, BlockMXFP4>>>;
+            using U = std::conditional_t<D == DType::Q4_0, UnpackQ4_0,
+                      std::conditional_t<D == DType::Q5_0, UnpackQ5_0,
+                      std::conditional_t<D == DType::IQ4_NL, UnpackIQ4_NL, UnpackMXFP4>>>;
+            const auto *x = static_cast<const B *>(w);
+            for (int64_t i = 0; i < n / 32; ++i, y += 32) {
+                store32(q, U::q(x[i]));
+                emit<true>(q, 32, U::d(x[i]), 0.0f, y);
+            }
+        } else if constexpr (D == DType::Q4_1 || D == DType::Q5_1) {
+            using B = std::conditional_t<D == DType::Q4_1, BlockQ4_1, BlockQ5_1>;
+            using U = std::conditional_t<D == DType::Q4_1, UnpackQ4_1, UnpackQ5_1>;
+            const auto *x = static_cast<const B *>(w);
+            for (int64_t i = 0; i < n / 32; ++i, y += 32) {
+                store32(q, U::q(x[i]));
+                emit<false, true>(q, 32, f16(x[i].d), f16(x[i].m), y);
+            }
+        } else if constexpr (D == DType::Q4_K || D == DType::Q5_K) {
+            using B = std::conditional_t<D == DType::Q4_K, BlockQ4_K, BlockQ5_K>;
+            const auto *x = static_cast<const B *>(w);
+            const __m256i m4 = _mm256_set1_epi8(0x0F), m1 = _mm256_set1_epi8(1);
+            for (int64_t i = 0; i < n / QK_K; ++i) {
+                const float d = f16(x[i].d), dmin = f16(x[i].dmin);
+                __m256i hbits = _mm256_setzero_si256();
+                if constexpr (D == DType::Q5_K) hbits = load256(x[i].qh);
+                for (int j = 0; j < 4; ++j) {
+                    const __m256i qbits = load256(x[i].qs + 32 * j);
+                    __m256i ql = _mm256_and_si256(qbits, m4), qh = _mm256_and_si256(_mm256_srli_epi16(qbits, 4), m4);
+                    if constexpr (D == DType::Q5_K) {
+                        ql = _mm256_or_si256(ql, _mm256_slli_epi16(_mm256_and_si256(hbits, m1), 4));
+                        qh = _mm256_or_si256(qh, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 1), m1), 4));
+                        hbits = _mm256_srli_epi16(hbits, 2);
+                    }
+                    for (int h = 0; h < 2; ++h, y += 32) {
+                        uint8_t sc, m;
+                        k4_scale_min(2 * j + h, x[i].scales, sc, m);
+                        store32(q, h == 0 ? ql : qh);
+                        emit<false>(q, 32, d * float(sc), dmin * float(m), y);
+                    }
+                }
+            }
+        } else if constexpr (D == DType::Q6_K) {
+            const auto *x = static_cast<const BlockQ6_K *>(w);
+            const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3), m32 = _mm256_set1_epi8(32);
+            for (int64_t i = 0; i < n / QK_K; ++i) {
+                const float d = f16(x[i].d);
+                for (int half = 0; half < 2; ++half) {
+                    const __m256i lo = load256(x[i].ql + 64 * half), hi = load256(x[i].ql + 64 * half + 32);
+                    const __m256i hb = load256(x[i].qh + 32 * half);
+                    const __m256i qk[4] = {
+                        _mm256_or_si256(_mm256_and_si256(lo, m4), _mm256_slli_epi16(_mm256_and_si256(hb, m2), 4)),
+                        _mm256_or_si256(_mm256_and_si256(hi, m4),
+                                        _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), m2), 4)),
+                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo, 4), m4),
+                                        _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), m2), 4)),
+                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(hi, 4), m4),
+                                        _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), m2), 4)),
+                    };
+                    for (int k = 0; k < 4; ++k, y += 32) {
+                        store32(q, _mm256_sub_epi8(qk[k], m32));
+                        const int g = 8 * half + 2 * k;
+                        emit<true>(q, 16, d * float(x[i].scales[g]), 0.0f, y);
+                        emit<true>(q + 16, 16, d * float(x[i].scales[g + 1]), 0.0f, y + 16);
+                    }
+                }
+            }
+        } else if constexpr (D == DType::Q3_K || D == DType::Q2_K) {
+            using B = std::conditional_t<D == DType::Q3_K, BlockQ3_K, BlockQ2_K>;
+            const auto *x = static_cast<const B *>(w);
+            const __m256i m3 = _mm256_set1_epi8(3), m1 = _mm256_set1_epi8(1);
+            for (int64_t i = 0; i < n / QK_K; ++i) {
+                const float d = f16(x[i].d);
+                int8_t s6[16];
+                __m256i hbits = _mm256_setzero_si256();
+                if constexpr (D == DType::Q3_K) {
+                    q3k_scales(x[i].scales, s6);
+                    hbits = load256(x[i].hmask);
+                }
+                for (int half = 0; half < 2; ++half) {
+                    const __m256i qbits = load256(x[i].qs + 32 * half);
+                    for (int j = 0; j < 4; ++j, y += 32) {
+                        __m256i v = _mm256_and_si256(_mm256_srli_epi16(qbits, 2 * j), m3);
+                        const int g = 8 * half + 2 * j;
+                        if constexpr (D == DType::Q3_K) {
+                            v = _mm256_sub_epi8(v, _mm256_slli_epi16(_mm256_andnot_si256(hbits, m1), 2));
+                            hbits = _mm256_srli_epi16(hbits, 1);
+                            store32(q, v);
+                            emit<true>(q, 16, d * float(s6[g]), 0.0f, y);
+                            emit<true>(q + 16, 16, d * float(s6[g + 1]), 0.0f, y + 16);
+                        } else {
+                            store32(q, v);
+                            const float dmin = f16(x[i].dmin);
+                            for (int p = 0; p < 2; ++p) {
+                                const uint8_t sc = x[i].scales[g + p];
+                                emit<false>(q + 16 * p, 16, d * float(sc & 0xF), dmin * float(sc >> 4), y + 16 * p);
+                            }
+                        }
+                    }
+                }
+            }
+        } else {
+            static_assert(D == DType::IQ4_XS);
+            const auto *x = static_cast<const BlockIQ4_XS *>(w);
+            const __m256i book = code_book(kIq4nlValues);
+            for (int64_t i = 0; i < n / QK_K; ++i) {
+                const float d = f16(x[i].d);
+                for (int g = 0; g < 8; ++g, y += 32) {
+                    const int ls = ((x[i].scales_l[g / 2] >> 4 * (g % 2)) & 0xF) | (((x[i].scales_h >> 2 * g) & 3) << 4);
+                    store32(q, _mm256_shuffle_epi8(book, nibbles32(x[i].qs + 16 * g)));
+                    emit<true>(q, 32, d * float(ls - 32), 0.0f, y);
+                }
+            }
+        }
     }
 
     /// dot(weight row w of type D, activations a of vec_dot_type(D)), n elements.
