@@ -6,6 +6,7 @@
 #include "random-blocks.h"
 
 #include <functional>
+#include <map>
 #include <random>
 
 namespace prescope::test {
@@ -116,6 +117,30 @@ inline void write_tiny_model(const std::string &path, const TinyModelSpec &s) {
         add(p + "ffn_down_exps.weight", {s.n_ff, s.n_embd, s.n_expert}, false);
     }
     w.write(path);
+}
+
+/// A model whose tensors mix dtypes as llama-quantize's presets do (Q4_K_M keeps some expert down
+/// projections in Q6_K; gate and up, attention, router and embeddings each in their own type), covering
+/// every weight type; with `dequantize`, the same model with every tensor stored as F32.
+inline TinyModelSpec mixed_type_spec(bool dequantize) {
+    TinyModelSpec s;
+    s.n_embd = 256, s.n_ff = 256, s.head_dim = 64;  // K-quant rows are multiples of 256
+    s.dequantize = dequantize;
+    s.edit = [](std::string &name, auto &, uint32_t &type) {
+        static const std::map<std::string, DType> types = {
+            {"token_embd.weight", DType::Q6_K},
+            {"blk.0.attn_q.weight", DType::Q8_0},        {"blk.0.attn_k.weight", DType::Q5_0},
+            {"blk.0.attn_v.weight", DType::IQ4_NL},      {"blk.0.attn_output.weight", DType::Q4_1},
+            {"blk.0.ffn_gate_exps.weight", DType::Q4_K}, {"blk.0.ffn_up_exps.weight", DType::Q5_K},
+            {"blk.0.ffn_down_exps.weight", DType::Q6_K}, {"blk.1.attn_q.weight", DType::Q3_K},
+            {"blk.1.attn_k.weight", DType::Q2_K},        {"blk.1.attn_v.weight", DType::MXFP4},
+            {"blk.1.attn_output.weight", DType::Q5_1},   {"blk.1.ffn_gate_inp.weight", DType::Q4_0},
+            {"blk.1.ffn_gate_exps.weight", DType::IQ4_XS}, {"blk.1.ffn_up_exps.weight", DType::Q4_K},
+            {"blk.1.ffn_down_exps.weight", DType::Q4_K},
+        };
+        if (const auto it = types.find(name); it != types.end()) type = uint32_t(it->second);
+    };
+    return s;
 }
 
 } // namespace prescope::test

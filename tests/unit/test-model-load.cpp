@@ -10,7 +10,6 @@
 
 #include <cmath>
 #include <filesystem>
-#include <map>
 
 using prescope::Error;
 using prescope::Model;
@@ -37,30 +36,6 @@ void expect_load_error(const std::string &name, const TinyModelSpec &spec, std::
     }
 }
 
-/// A model whose tensors mix dtypes as llama-quantize's presets do (Q4_K_M keeps some expert down
-/// projections in Q6_K; gate and up, attention, router and embeddings each in their own type), covering
-/// every weight type; with `dequantize`, the same model with every tensor stored as F32.
-TinyModelSpec mixed_types(bool dequantize) {
-    TinyModelSpec s;
-    s.n_embd = 256, s.n_ff = 256, s.head_dim = 64;  // K-quant rows are multiples of 256
-    s.dequantize = dequantize;
-    s.edit = [](std::string &name, auto &, uint32_t &type) {
-        static const std::map<std::string, prescope::DType> types = {
-            {"token_embd.weight", prescope::DType::Q6_K},
-            {"blk.0.attn_q.weight", prescope::DType::Q8_0},        {"blk.0.attn_k.weight", prescope::DType::Q5_0},
-            {"blk.0.attn_v.weight", prescope::DType::IQ4_NL},      {"blk.0.attn_output.weight", prescope::DType::Q4_1},
-            {"blk.0.ffn_gate_exps.weight", prescope::DType::Q4_K}, {"blk.0.ffn_up_exps.weight", prescope::DType::Q5_K},
-            {"blk.0.ffn_down_exps.weight", prescope::DType::Q6_K}, {"blk.1.attn_q.weight", prescope::DType::Q3_K},
-            {"blk.1.attn_k.weight", prescope::DType::Q2_K},        {"blk.1.attn_v.weight", prescope::DType::MXFP4},
-            {"blk.1.attn_output.weight", prescope::DType::Q5_1},   {"blk.1.ffn_gate_inp.weight", prescope::DType::Q4_0},
-            {"blk.1.ffn_gate_exps.weight", prescope::DType::IQ4_XS}, {"blk.1.ffn_up_exps.weight", prescope::DType::Q4_K},
-            {"blk.1.ffn_down_exps.weight", prescope::DType::Q4_K},
-        };
-        if (const auto it = types.find(name); it != types.end()) type = uint32_t(it->second);
-    };
-    return s;
-}
-
 /// max |a - b| over the logits of the same tokens.
 double max_logit_diff(const Model &a, const Model &b) {
     const std::vector<int32_t> toks = {1, 2, 3, 4, 5, 6, 7};
@@ -84,8 +59,8 @@ double max_abs(const std::vector<float> &v) {
 } // namespace
 
 TEST(ModelLoad, MixedTypesPerTensorFollowEachTensorsType) {
-    const auto m = Model::load(write("mixed", mixed_types(false)));
-    const auto f32 = Model::load(write("mixed-f32", mixed_types(true)));
+    const auto m = Model::load(write("mixed", prescope::test::mixed_type_spec(false)));
+    const auto f32 = Model::load(write("mixed-f32", prescope::test::mixed_type_spec(true)));
     const auto &l0 = m->weights().layers[0];
     EXPECT_EQ(l0.gate_exps.type, prescope::DType::Q4_K);
     EXPECT_EQ(l0.up_exps.type, prescope::DType::Q5_K);
