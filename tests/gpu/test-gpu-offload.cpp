@@ -232,7 +232,9 @@ TEST(GpuOffload, MixedTypeFileCpuAndGpuAgree) {
             GpuContext gpu(*model, {64, 7}, c);
             const Greedy got = greedy(gpu, prompt, 8, n_vocab);
             EXPECT_EQ(got.tokens, want.tokens);
-            if (act == ActivationQuant::NONE) EXPECT_LE(max_abs_diff(got.logits, want.logits), 1e-4 * scale);
+            if (act == ActivationQuant::NONE) {
+                EXPECT_LE(max_abs_diff(got.logits, want.logits), 1e-4 * scale);
+            }
         }
     }
     set_activation_quant(ActivationQuant::INT8);
