@@ -184,14 +184,30 @@ void gemv(const uint8_t *w, size_t w_stride, int64_t n_rows, int64_t n, const fl
     }
 }
 
-/// KernelTable::QGemvFn for quantized dtype D: rows outer, tokens inner (a row is read from memory once
-/// and from L1 for the other tokens).
+using QDotFn = void (*)(int64_t, const void *, const void *const *, float *);
+
+template <class S, DType D, int... Ts>
+constexpr std::array<QDotFn, sizeof...(Ts)> qdot_table(std::integer_sequence<int, Ts...>) {
+    return {&S::Quant::template dot<D, Ts + 1>...};
+}
+
+/// KernelTable::QGemvFn for quantized dtype D: rows outer, tokens inner in groups of up to
+/// S::Quant::kMaxTokens that share each block's unpacking (a row is read from memory once, from L1 after).
 template <class S, DType D>
 void qgemv(const uint8_t *w, size_t w_stride, int64_t n_rows, int64_t n, const uint8_t *xq, size_t xq_stride,
            int64_t n_tok, float *y, int64_t ldy) {
+    constexpr int TM = S::Quant::kMaxTokens;
+    static constexpr auto dots = qdot_table<S, D>(std::make_integer_sequence<int, TM>());
+    const void *a[TM];
+    float out[TM];
     for (int64_t r = 0; r < n_rows; ++r) {
         const uint8_t *wr = w + size_t(r) * w_stride;
-        for (int64_t t = 0; t < n_tok; ++t) y[t * ldy + r] = S::Quant::template dot<D>(n, wr, xq + size_t(t) * xq_stride);
+        for (int64_t t0 = 0; t0 < n_tok; t0 += TM) {
+            const int64_t nt = std::min<int64_t>(TM, n_tok - t0);
+            for (int64_t t = 0; t < nt; ++t) a[t] = xq + size_t(t0 + t) * xq_stride;
+            dots[nt - 1](n, wr, a, out);
+            for (int64_t t = 0; t < nt; ++t) y[(t0 + t) * ldy + r] = out[t];
+        }
     }
 }
 

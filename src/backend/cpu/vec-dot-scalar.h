@@ -52,11 +52,17 @@ struct ScalarQuant {
     /// Row w of type D as F32: the reference.
     template <DType D> static void dequant_row(const void *w, float *y, int64_t n) { dequantize_row(D, w, y, n); }
 
-    /// dot(weight row w of type D, activations a of vec_dot_type(D)), n elements.
-    template <DType D> static float dot(int64_t n, const void *w, const void *a);
+    /// Tokens per call of dot() (qgemv): one, the portable code gains nothing from sharing the unpack.
+    static constexpr int kMaxTokens = 1;
+    /// out[t] = dot(weight row w of type D, activations a[t] of vec_dot_type(D)), n elements, t < T.
+    template <DType D, int T> static void dot(int64_t n, const void *w, const void *const *a, float *out) {
+        for (int t = 0; t < T; ++t) out[t] = dot1<D>(n, w, a[t]);
+    }
+    /// One token.
+    template <DType D> static float dot1(int64_t n, const void *w, const void *a);
 };
 
-template <> inline float ScalarQuant::dot<DType::Q8_0>(int64_t n, const void *w, const void *a) {
+template <> inline float ScalarQuant::dot1<DType::Q8_0>(int64_t n, const void *w, const void *a) {
     const auto *x = static_cast<const BlockQ8_0 *>(w);
     const auto *y = static_cast<const BlockQ8_0 *>(a);
     float s = 0.0f;
@@ -65,7 +71,7 @@ template <> inline float ScalarQuant::dot<DType::Q8_0>(int64_t n, const void *w,
     return s;
 }
 
-template <> inline float ScalarQuant::dot<DType::Q4_0>(int64_t n, const void *w, const void *a) {
+template <> inline float ScalarQuant::dot1<DType::Q4_0>(int64_t n, const void *w, const void *a) {
     const auto *x = static_cast<const BlockQ4_0 *>(w);
     const auto *y = static_cast<const BlockQ8_0 *>(a);
     float s = 0.0f;
@@ -77,7 +83,7 @@ template <> inline float ScalarQuant::dot<DType::Q4_0>(int64_t n, const void *w,
     return s;
 }
 
-template <> inline float ScalarQuant::dot<DType::Q5_0>(int64_t n, const void *w, const void *a) {
+template <> inline float ScalarQuant::dot1<DType::Q5_0>(int64_t n, const void *w, const void *a) {
     const auto *x = static_cast<const BlockQ5_0 *>(w);
     const auto *y = static_cast<const BlockQ8_0 *>(a);
     float s = 0.0f;
@@ -103,15 +109,15 @@ template <class B> float dot_q_1(int64_t n, const B *x, const BlockQ8_1 *y) {
     return s;
 }
 
-template <> inline float ScalarQuant::dot<DType::Q4_1>(int64_t n, const void *w, const void *a) {
+template <> inline float ScalarQuant::dot1<DType::Q4_1>(int64_t n, const void *w, const void *a) {
     return dot_q_1(n, static_cast<const BlockQ4_1 *>(w), static_cast<const BlockQ8_1 *>(a));
 }
 
-template <> inline float ScalarQuant::dot<DType::Q5_1>(int64_t n, const void *w, const void *a) {
+template <> inline float ScalarQuant::dot1<DType::Q5_1>(int64_t n, const void *w, const void *a) {
     return dot_q_1(n, static_cast<const BlockQ5_1 *>(w), static_cast<const BlockQ8_1 *>(a));
 }
 
-template <> inline float ScalarQuant::dot<DType::IQ4_NL>(int64_t n, const void *w, const void *a) {
+template <> inline float ScalarQuant::dot1<DType::IQ4_NL>(int64_t n, const void *w, const void *a) {
     const auto *x = static_cast<const BlockIQ4_NL *>(w);
     const auto *y = static_cast<const BlockQ8_0 *>(a);
     float s = 0.0f;
@@ -123,7 +129,7 @@ template <> inline float ScalarQuant::dot<DType::IQ4_NL>(int64_t n, const void *
     return s;
 }
 
-template <> inline float ScalarQuant::dot<DType::MXFP4>(int64_t n, const void *w, const void *a) {
+template <> inline float ScalarQuant::dot1<DType::MXFP4>(int64_t n, const void *w, const void *a) {
     const auto *x = static_cast<const BlockMXFP4 *>(w);
     const auto *y = static_cast<const BlockQ8_0 *>(a);
     float s = 0.0f;
@@ -145,7 +151,7 @@ inline int32_t scaled_groups(const int8_t *q, const int8_t *y, const int32_t *sc
     return s;
 }
 
-template <> inline float ScalarQuant::dot<DType::Q2_K>(int64_t n, const void *w, const void *a) {
+template <> inline float ScalarQuant::dot1<DType::Q2_K>(int64_t n, const void *w, const void *a) {
     const auto *x = static_cast<const BlockQ2_K *>(w);
     const auto *y = static_cast<const BlockQ8_K *>(a);
     float s = 0.0f;
@@ -166,7 +172,7 @@ template <> inline float ScalarQuant::dot<DType::Q2_K>(int64_t n, const void *w,
     return s;
 }
 
-template <> inline float ScalarQuant::dot<DType::Q3_K>(int64_t n, const void *w, const void *a) {
+template <> inline float ScalarQuant::dot1<DType::Q3_K>(int64_t n, const void *w, const void *a) {
     const auto *x = static_cast<const BlockQ3_K *>(w);
     const auto *y = static_cast<const BlockQ8_K *>(a);
     float s = 0.0f;
@@ -212,15 +218,15 @@ template <class B> float dot_k4(int64_t n, const B *x, const BlockQ8_K *y) {
     return s;
 }
 
-template <> inline float ScalarQuant::dot<DType::Q4_K>(int64_t n, const void *w, const void *a) {
+template <> inline float ScalarQuant::dot1<DType::Q4_K>(int64_t n, const void *w, const void *a) {
     return dot_k4(n, static_cast<const BlockQ4_K *>(w), static_cast<const BlockQ8_K *>(a));
 }
 
-template <> inline float ScalarQuant::dot<DType::Q5_K>(int64_t n, const void *w, const void *a) {
+template <> inline float ScalarQuant::dot1<DType::Q5_K>(int64_t n, const void *w, const void *a) {
     return dot_k4(n, static_cast<const BlockQ5_K *>(w), static_cast<const BlockQ8_K *>(a));
 }
 
-template <> inline float ScalarQuant::dot<DType::Q6_K>(int64_t n, const void *w, const void *a) {
+template <> inline float ScalarQuant::dot1<DType::Q6_K>(int64_t n, const void *w, const void *a) {
     const auto *x = static_cast<const BlockQ6_K *>(w);
     const auto *y = static_cast<const BlockQ8_K *>(a);
     float s = 0.0f;
@@ -243,7 +249,7 @@ template <> inline float ScalarQuant::dot<DType::Q6_K>(int64_t n, const void *w,
     return s;
 }
 
-template <> inline float ScalarQuant::dot<DType::IQ4_XS>(int64_t n, const void *w, const void *a) {
+template <> inline float ScalarQuant::dot1<DType::IQ4_XS>(int64_t n, const void *w, const void *a) {
     const auto *x = static_cast<const BlockIQ4_XS *>(w);
     const auto *y = static_cast<const BlockQ8_K *>(a);
     float s = 0.0f;

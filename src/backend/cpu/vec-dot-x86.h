@@ -197,47 +197,74 @@ template <class I> struct X86Quant {
         }
     }
 
-    // ---- dot products ----
+    // ---- dot products: one weight row against T tokens' activations (a[t], t < T); the weights are
+    // unpacked once per block for all T ----
+
+    /// Up to this many tokens per weight unpack (qgemv).
+    static constexpr int kMaxTokens = 4;
 
     /// Types with one scale per 32-block against Q8_0; U::q(block): the weights as 32 signed bytes,
     /// U::d(block): the block's F32 scale.
-    template <class U, class B> static float dot_blocks32(int64_t n, const B *x, const BlockQ8_0 *y) {
-        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    template <class U, int T, class B> static void dot_blocks32(int64_t n, const B *x, const BlockQ8_0 *const *y, float *out) {
         const int64_t nb = n / 32;
-        int64_t i = 0;
-        for (; i + 2 <= nb; i += 2) {
-            const __m256i p0 = dot_s8s8(U::q(x[i]), load256(y[i].qs));
-            const __m256i p1 = dot_s8s8(U::q(x[i + 1]), load256(y[i + 1].qs));
-            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(U::d(x[i]) * f16(y[i].d)), _mm256_cvtepi32_ps(p0), acc0);
-            acc1 = _mm256_fmadd_ps(_mm256_set1_ps(U::d(x[i + 1]) * f16(y[i + 1].d)), _mm256_cvtepi32_ps(p1), acc1);
+        if constexpr (T == 1) {
+            // One token: two accumulator chains over alternate blocks.
+            __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+            const BlockQ8_0 *y0 = y[0];
+            int64_t i = 0;
+            for (; i + 2 <= nb; i += 2) {
+                const __m256i p0 = dot_s8s8(U::q(x[i]), load256(y0[i].qs));
+                const __m256i p1 = dot_s8s8(U::q(x[i + 1]), load256(y0[i + 1].qs));
+                acc0 = _mm256_fmadd_ps(_mm256_set1_ps(U::d(x[i]) * f16(y0[i].d)), _mm256_cvtepi32_ps(p0), acc0);
+                acc1 = _mm256_fmadd_ps(_mm256_set1_ps(U::d(x[i + 1]) * f16(y0[i + 1].d)), _mm256_cvtepi32_ps(p1), acc1);
+            }
+            if (i < nb) {
+                const __m256i p0 = dot_s8s8(U::q(x[i]), load256(y0[i].qs));
+                acc0 = _mm256_fmadd_ps(_mm256_set1_ps(U::d(x[i]) * f16(y0[i].d)), _mm256_cvtepi32_ps(p0), acc0);
+            }
+            out[0] = hsum_ps(_mm256_add_ps(acc0, acc1));
+        } else {
+            __m256 acc[T];
+            for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
+            for (int64_t i = 0; i < nb; ++i) {
+                const __m256i q = U::q(x[i]), aq = _mm256_sign_epi8(q, q);
+                const float dx = U::d(x[i]);
+#pragma GCC unroll 4
+                for (int t = 0; t < T; ++t) {
+                    const __m256i p = I::dot_u8s8(aq, _mm256_sign_epi8(load256(y[t][i].qs), q));
+                    acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(dx * f16(y[t][i].d)), _mm256_cvtepi32_ps(p), acc[t]);
+                }
+            }
+            for (int t = 0; t < T; ++t) out[t] = hsum_ps(acc[t]);
         }
-        if (i < nb) {
-            const __m256i p0 = dot_s8s8(U::q(x[i]), load256(y[i].qs));
-            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(U::d(x[i]) * f16(y[i].d)), _mm256_cvtepi32_ps(p0), acc0);
-        }
-        return hsum_ps(_mm256_add_ps(acc0, acc1));
     }
 
     /// Q4_1 / Q5_1 against Q8_1: U::q(block) the unsigned weights; d_x d_y sum(q y) + m_x s_y.
-    template <class U, class B> static float dot_blocks32_min(int64_t n, const B *x, const BlockQ8_1 *y) {
-        __m256 acc = _mm256_setzero_ps();
-        float mins = 0.0f;
+    template <class U, int T, class B> static void dot_blocks32_min(int64_t n, const B *x, const BlockQ8_1 *const *y, float *out) {
+        __m256 acc[T];
+        float mins[T];
+        for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps(), mins[t] = 0.0f;
         for (int64_t i = 0; i < n / 32; ++i) {
-            const __m256i p = I::dot_u8s8(U::q(x[i]), load256(y[i].qs));
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(x[i].d) * f16(y[i].d)), _mm256_cvtepi32_ps(p), acc);
-            mins += f16(x[i].m) * f16(y[i].s);
+            const __m256i q = U::q(x[i]);
+            const float dx = f16(x[i].d), mx = f16(x[i].m);
+#pragma GCC unroll 4
+            for (int t = 0; t < T; ++t) {
+                const __m256i p = I::dot_u8s8(q, load256(y[t][i].qs));
+                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(dx * f16(y[t][i].d)), _mm256_cvtepi32_ps(p), acc[t]);
+                mins[t] += mx * f16(y[t][i].s);
+            }
         }
-        return hsum_ps(acc) + mins;
+        for (int t = 0; t < T; ++t) out[t] = hsum_ps(acc[t]) + mins[t];
     }
 
     /// Q4_K / Q5_K against Q8_K: 8 groups of 32 with 6-bit scales and mins (the min term through bsums).
-    template <class B> static float dot_k4(int64_t n, const B *x, const BlockQ8_K *y) {
+    template <int T, class B> static void dot_k4(int64_t n, const B *x, const BlockQ8_K *const *y, float *out) {
         constexpr bool kFiveBits = requires { x->qh; };
         const __m256i m4 = _mm256_set1_epi8(0x0F), m1 = _mm256_set1_epi8(1);
-        __m256 acc = _mm256_setzero_ps();
-        __m128 acc_m = _mm_setzero_ps();
+        __m256 acc[T];
+        __m128 acc_m[T];
+        for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps(), acc_m[t] = _mm_setzero_ps();
         for (int64_t i = 0; i < n / QK_K; ++i) {
-            const float d = y[i].d * f16(x[i].d), dmin = -y[i].d * f16(x[i].dmin);
             // The 12 packed bytes as 8 scales then 8 mins (get_scale_min_k4 for all groups at once).
             uint32_t u[4];
             std::memcpy(u, x[i].scales, 12);
@@ -248,15 +275,19 @@ template <class I> struct X86Quant {
             u[2] = mins_lo;
             u[0] &= kmask1;
             const __m256i sm = _mm256_cvtepu8_epi16(_mm_set_epi32(int(u[3]), int(u[2]), int(u[1]), int(u[0])));
-            const __m256i bsums = load256(y[i].bsums);
-            const __m128i gsums = _mm_hadd_epi16(_mm256_castsi256_si128(bsums), _mm256_extracti128_si256(bsums, 1));
-            acc_m = _mm_fmadd_ps(_mm_set1_ps(dmin),
-                                 _mm_cvtepi32_ps(_mm_madd_epi16(_mm256_extracti128_si256(sm, 1), gsums)), acc_m);
-            const __m128i sc128 = _mm256_castsi256_si128(sm);
+            const __m128i mins = _mm256_extracti128_si256(sm, 1), sc128 = _mm256_castsi256_si128(sm);
             const __m256i scales = _mm256_set_m128i(sc128, sc128);
+            const float dx = f16(x[i].d), dmx = f16(x[i].dmin);
+            for (int t = 0; t < T; ++t) {
+                const __m256i bsums = load256(y[t][i].bsums);
+                const __m128i gsums = _mm_hadd_epi16(_mm256_castsi256_si128(bsums), _mm256_extracti128_si256(bsums, 1));
+                acc_m[t] = _mm_fmadd_ps(_mm_set1_ps(-y[t][i].d * dmx), _mm_cvtepi32_ps(_mm_madd_epi16(mins, gsums)),
+                                        acc_m[t]);
+            }
             __m256i hbits = _mm256_setzero_si256();
             if constexpr (kFiveBits) hbits = load256(x[i].qh);
-            __m256i sumi = _mm256_setzero_si256();
+            __m256i sumi[T];
+            for (int t = 0; t < T; ++t) sumi[t] = _mm256_setzero_si256();
 #pragma GCC unroll 4
             for (int j = 0; j < 4; ++j) {
                 const __m256i qbits = load256(x[i].qs + 32 * j);
@@ -266,26 +297,32 @@ template <class I> struct X86Quant {
                     qh = _mm256_or_si256(qh, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 1), m1), 4));
                     hbits = _mm256_srli_epi16(hbits, 2);
                 }
-                const __m256i pl = _mm256_madd_epi16(broadcast_i16(scales, 2 * j),
-                                                     _mm256_maddubs_epi16(ql, load256(y[i].qs + 64 * j)));
-                const __m256i ph = _mm256_madd_epi16(broadcast_i16(scales, 2 * j + 1),
-                                                     _mm256_maddubs_epi16(qh, load256(y[i].qs + 64 * j + 32)));
-                sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(pl, ph));
+                const __m256i sl = broadcast_i16(scales, 2 * j), sh = broadcast_i16(scales, 2 * j + 1);
+#pragma GCC unroll 4
+                for (int t = 0; t < T; ++t) {
+                    const __m256i pl = _mm256_madd_epi16(sl, _mm256_maddubs_epi16(ql, load256(y[t][i].qs + 64 * j)));
+                    const __m256i ph = _mm256_madd_epi16(sh, _mm256_maddubs_epi16(qh, load256(y[t][i].qs + 64 * j + 32)));
+                    sumi[t] = _mm256_add_epi32(sumi[t], _mm256_add_epi32(pl, ph));
+                }
             }
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+            for (int t = 0; t < T; ++t)
+                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(y[t][i].d * dx), _mm256_cvtepi32_ps(sumi[t]), acc[t]);
         }
-        acc_m = _mm_add_ps(acc_m, _mm_movehl_ps(acc_m, acc_m));
-        acc_m = _mm_add_ss(acc_m, _mm_movehdup_ps(acc_m));
-        return hsum_ps(acc) + _mm_cvtss_f32(acc_m);
+        for (int t = 0; t < T; ++t) {
+            __m128 m = _mm_add_ps(acc_m[t], _mm_movehl_ps(acc_m[t], acc_m[t]));
+            m = _mm_add_ss(m, _mm_movehdup_ps(m));
+            out[t] = hsum_ps(acc[t]) + _mm_cvtss_f32(m);
+        }
     }
 
-    static float dot_q6_k(int64_t n, const BlockQ6_K *x, const BlockQ8_K *y) {
+    template <int T> static void dot_q6_k(int64_t n, const BlockQ6_K *x, const BlockQ8_K *const *y, float *out) {
         const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3), m32 = _mm256_set1_epi8(32);
-        __m256 acc = _mm256_setzero_ps();
+        __m256 acc[T];
+        for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
         for (int64_t i = 0; i < n / QK_K; ++i) {
-            const float d = y[i].d * f16(x[i].d);
             const __m128i scales = _mm_loadu_si128(reinterpret_cast<const __m128i *>(x[i].scales));
-            __m256i sumi = _mm256_setzero_si256();
+            __m256i sumi[T];
+            for (int t = 0; t < T; ++t) sumi[t] = _mm256_setzero_si256();
             for (int half = 0; half < 2; ++half) {
                 const __m256i lo = load256(x[i].ql + 64 * half), hi = load256(x[i].ql + 64 * half + 32);
                 const __m256i hb = load256(x[i].qh + 32 * half);
@@ -301,27 +338,34 @@ template <class I> struct X86Quant {
                 };
 #pragma GCC unroll 4
                 for (int k = 0; k < 4; ++k) {
-                    const __m256i a = load256(y[i].qs + 128 * half + 32 * k);
-                    // (q - 32) . a = q . a - 32 * sum(a), both in int16 pairs.
-                    const __m256i p = _mm256_sub_epi16(_mm256_maddubs_epi16(q[k], a), _mm256_maddubs_epi16(m32, a));
-                    sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(pair_scales(scales, 8 * half + 2 * k, false), p));
+                    const __m256i sc = pair_scales(scales, 8 * half + 2 * k, false);
+#pragma GCC unroll 4
+                    for (int t = 0; t < T; ++t) {
+                        const __m256i a = load256(y[t][i].qs + 128 * half + 32 * k);
+                        // (q - 32) . a = q . a - 32 * sum(a), both in int16 pairs.
+                        const __m256i p = _mm256_sub_epi16(_mm256_maddubs_epi16(q[k], a), _mm256_maddubs_epi16(m32, a));
+                        sumi[t] = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(sc, p));
+                    }
                 }
             }
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+            const float dx = f16(x[i].d);
+            for (int t = 0; t < T; ++t)
+                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(y[t][i].d * dx), _mm256_cvtepi32_ps(sumi[t]), acc[t]);
         }
-        return hsum_ps(acc);
+        for (int t = 0; t < T; ++t) out[t] = hsum_ps(acc[t]);
     }
 
-    static float dot_q3_k(int64_t n, const BlockQ3_K *x, const BlockQ8_K *y) {
+    template <int T> static void dot_q3_k(int64_t n, const BlockQ3_K *x, const BlockQ8_K *const *y, float *out) {
         const __m256i m3 = _mm256_set1_epi8(3), m1 = _mm256_set1_epi8(1);
-        __m256 acc = _mm256_setzero_ps();
+        __m256 acc[T];
+        for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
         for (int64_t i = 0; i < n / QK_K; ++i) {
-            const float d = y[i].d * f16(x[i].d);
             int8_t s6[16];
             q3k_scales(x[i].scales, s6);
             const __m128i scales = _mm_loadu_si128(reinterpret_cast<const __m128i *>(s6));
             __m256i hbits = load256(x[i].hmask);
-            __m256i sumi = _mm256_setzero_si256();
+            __m256i sumi[T];
+            for (int t = 0; t < T; ++t) sumi[t] = _mm256_setzero_si256();
             for (int half = 0; half < 2; ++half) {
                 const __m256i qbits = load256(x[i].qs + 32 * half);
 #pragma GCC unroll 4
@@ -330,58 +374,80 @@ template <class I> struct X86Quant {
                     // q = q2 - 4 where the high bit is clear: q . a = q2 . a - (4 * !hbit) . a.
                     const __m256i sub4 = _mm256_slli_epi16(_mm256_andnot_si256(hbits, m1), 2);
                     hbits = _mm256_srli_epi16(hbits, 1);
-                    const __m256i a = load256(y[i].qs + 128 * half + 32 * j);
-                    const __m256i p = _mm256_sub_epi16(_mm256_maddubs_epi16(q2, a), _mm256_maddubs_epi16(sub4, a));
-                    sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(pair_scales(scales, 8 * half + 2 * j, false), p));
+                    const __m256i sc = pair_scales(scales, 8 * half + 2 * j, false);
+#pragma GCC unroll 4
+                    for (int t = 0; t < T; ++t) {
+                        const __m256i a = load256(y[t][i].qs + 128 * half + 32 * j);
+                        const __m256i p = _mm256_sub_epi16(_mm256_maddubs_epi16(q2, a), _mm256_maddubs_epi16(sub4, a));
+                        sumi[t] = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(sc, p));
+                    }
                 }
             }
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+            const float dx = f16(x[i].d);
+            for (int t = 0; t < T; ++t)
+                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(y[t][i].d * dx), _mm256_cvtepi32_ps(sumi[t]), acc[t]);
         }
-        return hsum_ps(acc);
+        for (int t = 0; t < T; ++t) out[t] = hsum_ps(acc[t]);
     }
 
-    static float dot_q2_k(int64_t n, const BlockQ2_K *x, const BlockQ8_K *y) {
+    template <int T> static void dot_q2_k(int64_t n, const BlockQ2_K *x, const BlockQ8_K *const *y, float *out) {
         const __m256i m3 = _mm256_set1_epi8(3);
         const __m128i m4 = _mm_set1_epi8(0x0F);
-        __m256 acc = _mm256_setzero_ps(), acc_m = _mm256_setzero_ps();
+        __m256 acc[T], acc_m[T];
+        for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps(), acc_m[t] = _mm256_setzero_ps();
         for (int64_t i = 0; i < n / QK_K; ++i) {
-            const float d = y[i].d * f16(x[i].d), dmin = -y[i].d * f16(x[i].dmin);
+            const float dx = f16(x[i].d), dmx = f16(x[i].dmin);
             const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i *>(x[i].scales));
             const __m128i scales = _mm_and_si128(packed, m4);
             const __m256i mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), m4));
-            acc_m = _mm256_fmadd_ps(_mm256_set1_ps(dmin),
-                                    _mm256_cvtepi32_ps(_mm256_madd_epi16(mins, load256(y[i].bsums))), acc_m);
-            __m256i sumi = _mm256_setzero_si256();
+            for (int t = 0; t < T; ++t) {
+                acc_m[t] = _mm256_fmadd_ps(_mm256_set1_ps(-y[t][i].d * dmx),
+                                           _mm256_cvtepi32_ps(_mm256_madd_epi16(mins, load256(y[t][i].bsums))), acc_m[t]);
+            }
+            __m256i sumi[T];
+            for (int t = 0; t < T; ++t) sumi[t] = _mm256_setzero_si256();
             for (int half = 0; half < 2; ++half) {
                 const __m256i qbits = load256(x[i].qs + 32 * half);
 #pragma GCC unroll 4
                 for (int j = 0; j < 4; ++j) {
                     const __m256i q2 = _mm256_and_si256(_mm256_srli_epi16(qbits, 2 * j), m3);
-                    const __m256i p = _mm256_maddubs_epi16(q2, load256(y[i].qs + 128 * half + 32 * j));
-                    sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(pair_scales(scales, 8 * half + 2 * j, true), p));
+                    const __m256i sc = pair_scales(scales, 8 * half + 2 * j, true);
+#pragma GCC unroll 4
+                    for (int t = 0; t < T; ++t) {
+                        const __m256i p = _mm256_maddubs_epi16(q2, load256(y[t][i].qs + 128 * half + 32 * j));
+                        sumi[t] = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(sc, p));
+                    }
                 }
             }
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+            for (int t = 0; t < T; ++t)
+                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(y[t][i].d * dx), _mm256_cvtepi32_ps(sumi[t]), acc[t]);
         }
-        return hsum_ps(acc) + hsum_ps(acc_m);
+        for (int t = 0; t < T; ++t) out[t] = hsum_ps(acc[t]) + hsum_ps(acc_m[t]);
     }
 
-    static float dot_iq4_xs(int64_t n, const BlockIQ4_XS *x, const BlockQ8_K *y) {
+    template <int T> static void dot_iq4_xs(int64_t n, const BlockIQ4_XS *x, const BlockQ8_K *const *y, float *out) {
         const __m256i book = code_book(kIq4nlValues);
-        __m256 acc = _mm256_setzero_ps();
+        __m256 acc[T];
+        for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
         for (int64_t i = 0; i < n / QK_K; ++i) {
-            const float d = y[i].d * f16(x[i].d);
-            __m256i sumi = _mm256_setzero_si256();
+            __m256i sumi[T];
+            for (int t = 0; t < T; ++t) sumi[t] = _mm256_setzero_si256();
 #pragma GCC unroll 8
             for (int g = 0; g < 8; ++g) {
                 const int ls = (((x[i].scales_l[g / 2] >> 4 * (g % 2)) & 0xF) | (((x[i].scales_h >> 2 * g) & 3) << 4)) - 32;
-                const __m256i q = _mm256_shuffle_epi8(book, nibbles32(x[i].qs + 16 * g));
-                const __m256i p = madd_s8s8(q, load256(y[i].qs + 32 * g));
-                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_set1_epi16(short(ls)), p));
+                const __m256i q = _mm256_shuffle_epi8(book, nibbles32(x[i].qs + 16 * g)), aq = _mm256_sign_epi8(q, q);
+                const __m256i sc = _mm256_set1_epi16(short(ls));
+#pragma GCC unroll 4
+                for (int t = 0; t < T; ++t) {
+                    const __m256i p = _mm256_maddubs_epi16(aq, _mm256_sign_epi8(load256(y[t][i].qs + 32 * g), q));
+                    sumi[t] = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(sc, p));
+                }
             }
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+            const float dx = f16(x[i].d);
+            for (int t = 0; t < T; ++t)
+                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(y[t][i].d * dx), _mm256_cvtepi32_ps(sumi[t]), acc[t]);
         }
-        return hsum_ps(acc);
+        for (int t = 0; t < T; ++t) out[t] = hsum_ps(acc[t]);
     }
 
     // ---- dequantization for the GEMM tiles: the reference's F32 operations (float(q) * d, then - m or
@@ -520,38 +586,38 @@ template <class I> struct X86Quant {
         }
     }
 
-    /// dot(weight row w of type D, activations a of vec_dot_type(D)), n elements.
-    template <DType D> static float dot(int64_t n, const void *w, const void *a) {
-        const auto *a0 = static_cast<const BlockQ8_0 *>(a);
-        const auto *a1 = static_cast<const BlockQ8_1 *>(a);
-        const auto *ak = static_cast<const BlockQ8_K *>(a);
+    /// out[t] = dot(weight row w of type D, activations a[t] of vec_dot_type(D)) for t < T, n elements.
+    template <DType D, int T> static void dot(int64_t n, const void *w, const void *const *a, float *out) {
+        const auto *a0 = reinterpret_cast<const BlockQ8_0 *const *>(a);
+        const auto *a1 = reinterpret_cast<const BlockQ8_1 *const *>(a);
+        const auto *ak = reinterpret_cast<const BlockQ8_K *const *>(a);
         if constexpr (D == DType::Q8_0) {
-            return dot_blocks32<UnpackQ8_0>(n, static_cast<const BlockQ8_0 *>(w), a0);
+            dot_blocks32<UnpackQ8_0, T>(n, static_cast<const BlockQ8_0 *>(w), a0, out);
         } else if constexpr (D == DType::Q4_0) {
-            return dot_blocks32<UnpackQ4_0>(n, static_cast<const BlockQ4_0 *>(w), a0);
+            dot_blocks32<UnpackQ4_0, T>(n, static_cast<const BlockQ4_0 *>(w), a0, out);
         } else if constexpr (D == DType::Q5_0) {
-            return dot_blocks32<UnpackQ5_0>(n, static_cast<const BlockQ5_0 *>(w), a0);
+            dot_blocks32<UnpackQ5_0, T>(n, static_cast<const BlockQ5_0 *>(w), a0, out);
         } else if constexpr (D == DType::IQ4_NL) {
-            return dot_blocks32<UnpackIQ4_NL>(n, static_cast<const BlockIQ4_NL *>(w), a0);
+            dot_blocks32<UnpackIQ4_NL, T>(n, static_cast<const BlockIQ4_NL *>(w), a0, out);
         } else if constexpr (D == DType::MXFP4) {
-            return dot_blocks32<UnpackMXFP4>(n, static_cast<const BlockMXFP4 *>(w), a0);
+            dot_blocks32<UnpackMXFP4, T>(n, static_cast<const BlockMXFP4 *>(w), a0, out);
         } else if constexpr (D == DType::Q4_1) {
-            return dot_blocks32_min<UnpackQ4_1>(n, static_cast<const BlockQ4_1 *>(w), a1);
+            dot_blocks32_min<UnpackQ4_1, T>(n, static_cast<const BlockQ4_1 *>(w), a1, out);
         } else if constexpr (D == DType::Q5_1) {
-            return dot_blocks32_min<UnpackQ5_1>(n, static_cast<const BlockQ5_1 *>(w), a1);
+            dot_blocks32_min<UnpackQ5_1, T>(n, static_cast<const BlockQ5_1 *>(w), a1, out);
         } else if constexpr (D == DType::Q4_K) {
-            return dot_k4(n, static_cast<const BlockQ4_K *>(w), ak);
+            dot_k4<T>(n, static_cast<const BlockQ4_K *>(w), ak, out);
         } else if constexpr (D == DType::Q5_K) {
-            return dot_k4(n, static_cast<const BlockQ5_K *>(w), ak);
+            dot_k4<T>(n, static_cast<const BlockQ5_K *>(w), ak, out);
         } else if constexpr (D == DType::Q6_K) {
-            return dot_q6_k(n, static_cast<const BlockQ6_K *>(w), ak);
+            dot_q6_k<T>(n, static_cast<const BlockQ6_K *>(w), ak, out);
         } else if constexpr (D == DType::Q3_K) {
-            return dot_q3_k(n, static_cast<const BlockQ3_K *>(w), ak);
+            dot_q3_k<T>(n, static_cast<const BlockQ3_K *>(w), ak, out);
         } else if constexpr (D == DType::Q2_K) {
-            return dot_q2_k(n, static_cast<const BlockQ2_K *>(w), ak);
+            dot_q2_k<T>(n, static_cast<const BlockQ2_K *>(w), ak, out);
         } else {
             static_assert(D == DType::IQ4_XS);
-            return dot_iq4_xs(n, static_cast<const BlockIQ4_XS *>(w), ak);
+            dot_iq4_xs<T>(n, static_cast<const BlockIQ4_XS *>(w), ak, out);
         }
     }
 };
