@@ -137,10 +137,6 @@ struct UnpackQ5_1 {
 template <class I> struct X86Quant {
     /// 8 int32 lanes of sums of 4 signed x signed byte products (the sign moved onto y).
     static __m256i dot_s8s8(__m256i x, __m256i y) { return I::dot_u8s8(_mm256_sign_epi8(x, x), _mm256_sign_epi8(y, x)); }
-    /// 16 int16 lanes of sums of 2 signed x signed byte products.
-    static __m256i madd_s8s8(__m256i x, __m256i y) {
-        return _mm256_maddubs_epi16(_mm256_sign_epi8(x, x), _mm256_sign_epi8(y, x));
-    }
 
     // ---- activation quantizers (bit for bit core/dtype.h's references) ----
 
