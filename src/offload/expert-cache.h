@@ -72,16 +72,26 @@ class ExpertCache {
     ExpertCache(const ExpertCache &) = delete;
     ExpertCache &operator=(const ExpertCache &) = delete;
 
-    /// Bytes of one slot: the largest expert, rounded up to slot_alignment.
+    /// Bytes of each layer's slots, [n_layers]: the layer's largest expert rounded up to slot_alignment.
+    /// Layers of a mixed-type file differ (Q4_K_M keeps some layers' down projections in Q6_K), so the
+    /// budget buys slots of each layer's own size (docs/decisions/0063).
+    static std::vector<uint64_t> layer_slot_bytes_for(const ExpertCacheConfig &config);
+    /// The largest slot (of any layer).
     static uint64_t slot_bytes_for(const ExpertCacheConfig &config);
-    /// The smallest non-zero budget: n_layers x top_k slots.
+    /// The smallest non-zero budget: top_k slots in every layer.
     static uint64_t min_budget_bytes(const ExpertCacheConfig &config);
+    /// Device bytes the slot pool takes for the config's budget and split (<= budget_bytes).
+    static uint64_t pool_bytes_for(const ExpertCacheConfig &config);
 
     int32_t n_layers() const { return layout_.n_layers; }
     int32_t n_experts() const { return layout_.n_experts; }
     int32_t n_slots() const { return layout_.total_slots(); }
     int32_t layer_slots(int32_t layer) const { return layout_.n_slots[size_t(layer)]; }
+    /// The largest slot; slot_bytes(layer): the layer's slots.
     uint64_t slot_bytes() const { return slot_bytes_; }
+    uint64_t slot_bytes(int32_t layer) const { return layer_slot_bytes_[size_t(layer)]; }
+    /// Device bytes of all slots.
+    uint64_t pool_bytes() const { return pool_bytes_; }
     uint64_t expert_bytes(int32_t layer, int32_t expert) const;
     EvictionPolicyKind policy() const { return config_.policy; }
     /// Experts each token routes to (ExpertCacheConfig::top_k).
@@ -110,7 +120,7 @@ class ExpertCache {
     /// The copy engine ticket of the slot's last load (invalid if none).
     void set_ticket(int32_t slot, Ticket ticket) { slots_[size_t(slot)].ticket = ticket; }
     Ticket ticket(int32_t slot) const { return slots_[size_t(slot)].ticket; }
-    /// Device address of the slot's slot_bytes() bytes (nullptr without a backend).
+    /// Device address of the slot's slot_bytes(slot_layer(slot)) bytes (nullptr without a backend).
     void *slot_data(int32_t slot) const;
     int32_t slot_expert(int32_t slot) const { return slots_[size_t(slot)].expert; }
     int32_t slot_layer(int32_t slot) const { return slots_[size_t(slot)].layer; }
@@ -156,11 +166,18 @@ class ExpertCache {
     void install(int32_t slot, int32_t layer, int32_t expert, bool prefetch);
     void pin(int32_t slot);
 
+    /// Slots per layer for the config's budget (slots_per_layer, or the even split of decision 0031 in
+    /// slots of each layer's size); throws prescope::Error when they do not fit the budget.
+    static std::vector<int32_t> split_slots(const ExpertCacheConfig &config, const std::vector<uint64_t> &slot_bytes);
+
     ExpertCacheConfig config_;
     SlotLayout layout_;
-    uint64_t slot_bytes_ = 0;
+    uint64_t slot_bytes_ = 0;                 // the largest of layer_slot_bytes_
+    std::vector<uint64_t> layer_slot_bytes_;  // [n_layers]
+    std::vector<uint64_t> slot_offset_;       // [n_slots] byte offset of each slot in the pool
+    uint64_t pool_bytes_ = 0;
     Backend *backend_ = nullptr;
-    uint8_t *pool_ = nullptr;                 // [n_slots * slot_bytes] device memory, owned
+    uint8_t *pool_ = nullptr;                 // [pool_bytes] device memory, owned
     std::vector<Slot> slots_;                 // [n_slots]
     std::vector<int32_t> map_;                // [n_layers * n_experts] -> slot or -1
     std::vector<uint8_t> evictable_;          // [n_slots] occupied, unpinned, not fixed

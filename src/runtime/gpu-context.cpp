@@ -130,7 +130,7 @@ void GpuContext::init() {
     if (cc.budget_bytes > 0 && cc.budget_bytes < ExpertCache::min_budget_bytes(cc)) {
         ExpertCache too_small(cc);  // throws the cache's message with the minimum
     }
-    const uint64_t pool_bytes = cc.budget_bytes / ExpertCache::slot_bytes_for(cc) * ExpertCache::slot_bytes_for(cc);
+    const uint64_t pool_bytes = ExpertCache::pool_bytes_for(cc);
 
     upload_weights();  // sizes weights_bytes_ and uploads
 
@@ -604,7 +604,7 @@ std::string GpuContext::startup_text() const {
                        format_byte_size(store_->layout(0).bytes), format_byte_size(weights_bytes_));
     out += fmt::format("GPU memory: weights {} + KV cache and activations {} + expert slots {} | host transfers: {}\n",
                        format_byte_size(weights_bytes_), format_byte_size(arena_bytes_),
-                       format_byte_size(uint64_t(cache_->n_slots()) * cache_->slot_bytes()),
+                       format_byte_size(cache_->pool_bytes()),
                        pinned_ ? "pinned " + format_byte_size(pinned_bytes_) : std::string("pageable (pinning refused)"));
     out += store_->describe() + "\n";
     out += cache_->describe() + "\n";
@@ -682,7 +682,7 @@ nlohmann::json GpuContext::stats_json() const {
     nlohmann::json j;
     j["routing"] = routing_source(replay_.get());
     j["device"] = backend_->name();
-    j["gpu_mem_gib"] = double(weights_bytes_ + arena_bytes_ + uint64_t(cache_->n_slots()) * cache_->slot_bytes()) /
+    j["gpu_mem_gib"] = double(weights_bytes_ + arena_bytes_ + cache_->pool_bytes()) /
                        double(uint64_t(1) << 30);
     j["expert_slots"] = cache_->n_slots();
     j["hit_rate"] = t.hit_rate();

@@ -31,8 +31,14 @@ void cpu_expert_ffn(const TensorView &gate, const TensorView &up, const TensorVi
                     const float *x, int64_t m, float *scratch, float *y) {
     const int64_t n_ff = gate.ne[1];
     float *g = scratch, *u = scratch + m * n_ff;
-    cpu::matmul(gate, x, m, g, expert);
-    cpu::matmul(up, x, m, u, expert);
+    if (gate.type == up.type) {
+        // One batch, so that x is quantized once for both (cpu::matmul_batch).
+        const cpu::MatmulJob jobs[2] = {{gate.matrix(expert), x, m, g}, {up.matrix(expert), x, m, u}};
+        cpu::matmul_batch(gate.type, gate.ne[0], n_ff, jobs, 2);
+    } else {
+        cpu::matmul(gate, x, m, g, expert);
+        cpu::matmul(up, x, m, u, expert);
+    }
     cpu::swiglu(g, u, g, m * n_ff);
     cpu::matmul(down, g, m, y, expert);
 }
@@ -74,15 +80,28 @@ void CpuExpertExecutor::run(int64_t layer, const float *x, const Routing &r, flo
         std::copy_n(x + (order_[size_t(row)] / k) * n_embd, n_embd, xg_.data() + row * n_embd);
     }
 
-    // gate and up of every active expert in one batch, SwiGLU, then down in one batch.
+    // gate and up of every active expert in one batch (up in a second one when a mixed-type file stores
+    // them in different dtypes), SwiGLU, then down in one batch. An expert's gate and up jobs stay next
+    // to each other, so matmul_batch quantizes their shared input once.
+    const bool one_batch = l.gate_exps.type == l.up_exps.type;
+    const auto push_jobs = [&](const TensorView &w, std::vector<float> &out, int64_t e) {
+        const int64_t first = offset_[size_t(e)];
+        jobs_.push_back({w.matrix(e), xg_.data() + first * n_embd, count_[size_t(e)], out.data() + first * n_ff});
+    };
     jobs_.clear();
     for (int64_t e = 0; e < hp.n_expert; ++e) {
         if (count_[size_t(e)] == 0) continue;
-        const int64_t first = offset_[size_t(e)];
-        jobs_.push_back({l.gate_exps.matrix(e), xg_.data() + first * n_embd, count_[size_t(e)], gate_.data() + first * n_ff});
-        jobs_.push_back({l.up_exps.matrix(e), xg_.data() + first * n_embd, count_[size_t(e)], up_.data() + first * n_ff});
+        push_jobs(l.gate_exps, gate_, e);
+        if (one_batch) push_jobs(l.up_exps, up_, e);
     }
     cpu::matmul_batch(l.gate_exps.type, n_embd, n_ff, jobs_.data(), int64_t(jobs_.size()));
+    if (!one_batch) {
+        jobs_.clear();
+        for (int64_t e = 0; e < hp.n_expert; ++e) {
+            if (count_[size_t(e)] != 0) push_jobs(l.up_exps, up_, e);
+        }
+        cpu::matmul_batch(l.up_exps.type, n_embd, n_ff, jobs_.data(), int64_t(jobs_.size()));
+    }
     cpu::swiglu(gate_.data(), up_.data(), gate_.data(), n_pairs * n_ff);
     jobs_.clear();
     for (int64_t e = 0; e < hp.n_expert; ++e) {

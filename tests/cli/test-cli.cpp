@@ -119,11 +119,11 @@ TEST(Cli, UnsupportedDtype) {
     TinyModelSpec s;
     s.n_embd = 256;
     s.edit = [](std::string &name, auto &, uint32_t &type) {
-        if (name == "token_embd.weight") type = 12;
+        if (name == "token_embd.weight") type = 19;  // iq1_s
     };
     const std::string p = tmp("dtype.gguf");
     prescope::test::write_tiny_model(p, s);
-    expect_generate_error(p, {p, "'token_embd.weight' has unsupported dtype q4_K", "supported: f32, f16, bf16, q8_0"});
+    expect_generate_error(p, {p, "'token_embd.weight' has unsupported dtype iq1_s", "supported: f32, f16, bf16, q8_0, q4_0"});
 }
 
 TEST(Cli, UnsupportedArchitecture) {

@@ -2,6 +2,7 @@
 // the whole offload path (expert store, hot-expert table, copy engine, loader, decisions, prefetch, combine)
 // with "GPU" experts computed on the host from the bytes that reached their slots. Offloading must not
 // change the numbers: the logits equal the plain CPU executor's bit for bit, whatever the budget.
+#include "../common/tiny-model.h"
 #include "arch/arch.h"
 #include "core/error.h"
 #include "offload/copy-engine.h"
@@ -15,6 +16,8 @@
 #include "runtime/hybrid-moe.h"
 
 #include <gtest/gtest.h>
+
+#include <unistd.h>
 
 #include <cstring>
 #include <filesystem>
@@ -241,6 +244,27 @@ TEST(HybridMoe, Q8ExpertsThroughSlotsEqualTheCpuExecutor) {
     const auto model = Model::load(model_path("qwen3moe", "tiny-q8_0.gguf").string());
     Rig rig(*model, Options{int32_t(model->hp().n_expert_used), 0, 2, true}, kBatch);
     expect_bitwise_equal(run_tokens(*model, rig.executor.get(), 4), run_tokens(*model, nullptr, 4));
+}
+
+TEST(HybridMoe, MixedTypeExpertsThroughSlotsOfEachLayersSizeEqualTheCpuExecutor) {
+    // Layer 0's experts are Q4_K / Q5_K / Q6_K, layer 1's IQ4_XS / Q4_K / Q4_K: two expert sizes, so the
+    // slots of the two layers differ in size; the quantized bytes travel as stored.
+    const std::string path =
+        (fs::temp_directory_path() / ("prescope-hybrid-mixed-" + std::to_string(getpid()) + ".gguf")).string();
+    test::write_tiny_model(path, test::mixed_type_spec(false));
+    const auto model = Model::load(path);
+    const int32_t k = int32_t(model->hp().n_expert_used);
+    for (const Options &o : {Options{k, 0, 0}, Options{k, 1, 1, true}}) {
+        Rig rig(*model, o, kBatch);
+        EXPECT_EQ(rig.store.layout(0).bytes, 256u * (144 + 176 + 210));
+        EXPECT_EQ(rig.store.layout(1).bytes, 256u * (136 + 144 + 144));
+        EXPECT_EQ(rig.cache->slot_bytes(0), rig.store.layout(0).bytes);
+        EXPECT_EQ(rig.cache->slot_bytes(1), rig.store.layout(1).bytes);
+        EXPECT_NE(rig.store.describe().find("(q4_K/q5_K/q6_K) in 1 layers"), std::string::npos) << rig.store.describe();
+        expect_bitwise_equal(run_tokens(*model, rig.executor.get(), 4), run_tokens(*model, nullptr, 4));
+        EXPECT_GT(rig.engine->stats().bytes_done, 0u);
+    }
+    std::filesystem::remove(path);
 }
 
 TEST(HybridMoe, ExpertsStreamedInWavesThroughFewSlotsEqualTheCpuExecutor) {
