@@ -115,6 +115,11 @@ struct HybridRule {
     int32_t stream_min_batch = 32;
 };
 
+/// Counts the tokens routed to each expert (out.tokens) and lists the routed experts in ascending id with their
+/// token counts (out.experts, action CPU, no slot); counters zero. routed: [n_tokens * top_k] ids in
+/// [0, n_experts). PRECONDITION: out.reserve(n_experts) was called.
+void count_routed(int32_t layer, std::span<const int32_t> routed, int32_t n_experts, LayerDecision &out);
+
 /// Fills `out` for one layer. routed: [n_tokens * top_k] expert ids from the router's top-k (any order).
 /// cache: the hot-expert table (read only), or null when there is no GPU cache (everything runs on CPU).
 /// Rules, in order: exec CPU -> CPU; resident -> HIT; exec GPU -> FETCH; exec AUTO -> FETCH if n_tokens >=

@@ -10,9 +10,12 @@
 #include "backend/cuda/moe.cuh"
 #include "backend/cuda/norm.cuh"
 #include "backend/cuda/rope.cuh"
+#include "backend/cpu/ops.h"
 #include "core/error.h"
 #include "offload/byte-size.h"
 #include "offload/predictor-baselines.h"
+#include "runtime/calibrate.h"
+#include "runtime/numa.h"
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -237,6 +240,7 @@ void GpuContext::init() {
     logits_.reserve(size_t(hp.n_vocab));
 
     // Offloading: host tier, hot-expert table, copy engine, loader, predictor, hybrid block.
+    numa_text_ = apply_numa(config.numa, pci_numa_node(backend_->info().pci_bus_id));
     store_ = std::make_unique<ExpertStore>(model, backend_.get(), sc);
     cc.expert_bytes = store_->expert_bytes();
     cache_ = std::make_unique<ExpertCache>(cc, backend_.get());
@@ -247,14 +251,18 @@ void GpuContext::init() {
     predictor_ = make_predictor(config, model, config.predictor == "oracle" ? 1 : predict_tokens, replay_.get(),
                                 &oracle_);
     HybridMoeConfig hc;
-    hc.rule.cpu_threshold = config.cpu_threshold;
-    hc.rule.stream_min_batch = config.stream_min_batch;
-    hc.prefetch_window = predictor_ && cache_->n_slots() > 0 ? config.prefetch_window : 0;
-    hc.prefetch_max_per_layer = config.prefetch_max_per_layer;
+    hc.planner.cpu_threshold = config.cpu_threshold;
+    hc.planner.stream_min_batch = config.stream_min_batch;
+    hc.planner.prefetch_window = predictor_ && cache_->n_slots() > 0 ? config.prefetch_window : 0;
+    hc.planner.prefetch_max_per_layer = config.prefetch_max_per_layer;
+    hc.planner.max_prefetch_in_flight = config.prefetch_in_flight;
+    hc.planner.balance = config.load_balance;
+    hc.planner.dump_path = config.dump_layer_states;
     hc.predict_max_tokens = oracle_ ? 1 : predict_tokens;
+    const CostModel cost = runtime_cost_model(model, config, cpu::get_threads(), 1.5, &cost_notes_);
     MoeDevice &device = *this;  // the private base, named here where it is accessible
-    moe_ = std::make_unique<HybridMoe>(model, *store_, plan_, cache_.get(), loader_.get(), predictor_.get(), device,
-                                       backend_.get(), hc, nb, hp.shared_expert);
+    moe_ = std::make_unique<HybridMoe>(model, *store_, plan_, cache_.get(), loader_.get(), engine_.get(),
+                                       predictor_.get(), device, backend_.get(), cost, hc, nb, hp.shared_expert);
     backend_->stream_synchronize(compute_);
     engine_->drain();  // the fixed experts' loads, so that the counters start from zero
     reset_stats();
@@ -610,15 +618,20 @@ std::string GpuContext::startup_text() const {
     out += cache_->describe() + "\n";
     out += plan_.summary();
     if (!out.ends_with('\n')) out += '\n';
-    out += fmt::format("predictor: {} (window {}) | cpu_threshold {} | stream_min_batch {} | copy engine: chunk {}, "
+    out += fmt::format("predictor: {} (window {}) | plan: {} | stream_min_batch {} | copy engine: chunk {}, "
                        "depth {}{}\n",
                        predictor_ ? predictor_->name() : "none", predictor_ ? config_.prefetch_window : 0,
-                       config_.cpu_threshold, config_.stream_min_batch, format_byte_size(config_.copy.chunk_bytes),
+                       config_.cpu_threshold < 0 ? std::string("cost-model scheduler")
+                                                 : fmt::format("threshold rule, cpu_threshold {}", config_.cpu_threshold),
+                       config_.stream_min_batch, format_byte_size(config_.copy.chunk_bytes),
                        config_.copy.queue_depth,
                        config_.copy.bandwidth_cap_bytes_per_s > 0
                            ? fmt::format(", cap {:.2f} GB/s", config_.copy.bandwidth_cap_bytes_per_s / 1e9)
                            : std::string());
     out += (replay_ ? replay_->describe() : std::string("routing: the model's router")) + "\n";
+    out += moe_->planner()->cost().describe();
+    out += fmt::format("  terms: {}\n", cost_notes_);
+    out += numa_text_;
     return out;
 }
 
@@ -642,14 +655,12 @@ CopyStats minus(CopyStats a, const CopyStats &b) {
 void GpuContext::reset_stats() {
     cache_->reset_stats();
     copy_base_ = engine_->stats();
-    moe_base_ = moe_->stats();
     tokens_prefill_ = tokens_decode_ = 0;
 }
 
 std::string GpuContext::stats_text() const {
-    const CacheLayerStats t = cache_->total_stats();
+    const LayerStats t = cache_->total_stats();
     const CopyStats c = minus(engine_->stats(), copy_base_);
-    const HybridMoeStats &m = moe_->stats();
     const int64_t tokens = tokens_prefill_ + tokens_decode_;
     std::string out = fmt::format("offload counters: {} tokens ({} prefill, {} decode)\n", tokens, tokens_prefill_,
                                   tokens_decode_);
@@ -657,9 +668,8 @@ std::string GpuContext::stats_text() const {
     out += fmt::format("hit rate {:.1f}% | prefetch hits {} | wasted prefetch {} | demand misses {} | CPU runs {} | "
                        "stall {:.2f} ms (device waits {:.2f} ms, waits for copy issue {:.2f} ms)\n",
                        100.0 * t.hit_rate(), t.prefetch_hits, format_byte_size(t.wasted_prefetch_bytes),
-                       t.demand_misses, t.cpu_runs, t.stall_us * 1e-3,
-                       (m.device_stall_us - moe_base_.device_stall_us) * 1e-3,
-                       (m.wait_issue_us - moe_base_.wait_issue_us) * 1e-3);
+                       t.demand_misses, t.cpu_runs, t.stall_us * 1e-3, t.device_stall_us * 1e-3,
+                       t.wait_issue_us * 1e-3);
     out += fmt::format("PCIe: {} host-to-device ({} demand, {} prefetch), {:.2f} GB/s while copying, {} per token; "
                        "requests {} done, {} cancelled, {} promoted\n",
                        format_byte_size(c.bytes_done), format_byte_size(c.bytes_demand),
@@ -667,17 +677,20 @@ std::string GpuContext::stats_text() const {
                        format_byte_size(tokens ? c.bytes_done / uint64_t(tokens) : 0), c.requests_done,
                        c.requests_cancelled, c.requests_promoted);
     out += fmt::format("host: CPU experts {:.1f} ms, predictor and prefetch {:.1f} ms | streamed {} experts in {} "
-                       "waves\n",
-                       (m.cpu_expert_us - moe_base_.cpu_expert_us) * 1e-3, (m.predict_us - moe_base_.predict_us) * 1e-3,
-                       m.streamed - moe_base_.streamed, m.stream_waves - moe_base_.stream_waves);
+                       "waves | split layers {}\n",
+                       t.cpu_expert_us * 1e-3, t.predict_us * 1e-3, t.streamed, t.stream_waves, t.split_steps);
+    const CostCorrections &k = moe_->planner()->balancer().corrections();
+    out += fmt::format("scheduler: predicted critical path {:.2f} ms, CPU-GPU finish gap {:.2f} ms (|gap| {:.2f} ms), "
+                       "prefetches planned {}, corrections {} (now cpu x{:.3f} gpu x{:.3f} link x{:.3f})\n",
+                       t.predicted_us * 1e-3, t.finish_gap_us * 1e-3, t.finish_gap_abs_us * 1e-3, t.prefetch_planned,
+                       t.corrections, k.cpu, k.gpu, k.link);
     if (replay_) out += fmt::format("routing: {} tokens replayed from {}\n", replay_->tokens_replayed(), replay_->path());
     return out;
 }
 
 nlohmann::json GpuContext::stats_json() const {
-    const CacheLayerStats t = cache_->total_stats();
+    const LayerStats t = cache_->total_stats();
     const CopyStats c = minus(engine_->stats(), copy_base_);
-    const HybridMoeStats &m = moe_->stats();
     const int64_t tokens = tokens_prefill_ + tokens_decode_;
     nlohmann::json j;
     j["routing"] = routing_source(replay_.get());
@@ -691,11 +704,15 @@ nlohmann::json GpuContext::stats_json() const {
     j["pcie_bytes_per_token"] = tokens ? double(c.bytes_done) / double(tokens) : 0.0;
     j["tokens"] = tokens;
     j["stall_ms"] = t.stall_us * 1e-3;
-    j["device_stall_ms"] = (m.device_stall_us - moe_base_.device_stall_us) * 1e-3;
-    j["cpu_expert_ms"] = (m.cpu_expert_us - moe_base_.cpu_expert_us) * 1e-3;
-    j["predict_ms"] = (m.predict_us - moe_base_.predict_us) * 1e-3;
-    j["streamed_experts"] = m.streamed - moe_base_.streamed;
-    j["stream_waves"] = m.stream_waves - moe_base_.stream_waves;
+    j["device_stall_ms"] = t.device_stall_us * 1e-3;
+    j["cpu_expert_ms"] = t.cpu_expert_us * 1e-3;
+    j["predict_ms"] = t.predict_us * 1e-3;
+    j["streamed_experts"] = t.streamed;
+    j["stream_waves"] = t.stream_waves;
+    j["split_layers"] = t.split_steps;
+    j["finish_gap_ms"] = t.finish_gap_us * 1e-3;
+    j["corrections"] = t.corrections;
+    j["cost_model"] = moe_->planner()->cost().to_json();
     j["copy"] = {{"bytes_done", c.bytes_done},
                  {"bytes_demand", c.bytes_demand},
                  {"bytes_prefetch", c.bytes_prefetch},

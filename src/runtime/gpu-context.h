@@ -154,7 +154,8 @@ class GpuContext final : public Engine, private MoeDevice {
     // Counters since reset_stats().
     int64_t tokens_prefill_ = 0, tokens_decode_ = 0;
     CopyStats copy_base_;  // engine counters at the last reset
-    HybridMoeStats moe_base_;
+    std::string cost_notes_;  // where the cost model's terms came from (start-up text)
+    std::string numa_text_;   // the NUMA placement line (start-up text)
 };
 
 } // namespace prescope

@@ -118,7 +118,7 @@ TEST_P(GpuReference, GreedyTokensIdenticalToTheReferenceAtEveryBudget) {
         EXPECT_EQ(b.tokens, expected) << GetParam() << " cpu_threshold " << threshold;
         EXPECT_LE(max_abs_diff(a.logits, b.logits), ref["tolerance"]["max_abs_logit_error"].get<double>())
             << "offloading changed the logits beyond the reference tolerance, cpu_threshold " << threshold;
-        const CacheLayerStats s = few.cache().total_stats();
+        const LayerStats s = few.cache().total_stats();
         EXPECT_GT(s.demand_misses + s.cpu_runs, 0u);
         EXPECT_GT(few.copy_engine().stats().bytes_done, 0u);
     }
@@ -142,7 +142,7 @@ TEST(GpuOffload, DecodeWithFewSlotsEqualsAllResidentBitForBit) {
     const Greedy b = greedy(few, prompt, 40, model->hp().n_vocab);
     EXPECT_EQ(a.tokens, b.tokens);
     EXPECT_EQ(max_abs_diff(a.logits, b.logits), 0.0);
-    const CacheLayerStats s = few.cache().total_stats();
+    const LayerStats s = few.cache().total_stats();
     EXPECT_EQ(s.cpu_runs, 0u);
     EXPECT_GT(s.hits, 0u);
     EXPECT_GT(s.demand_misses, 0u);

@@ -117,7 +117,7 @@ class HybridExecutor final : public ExpertExecutor {
 
 struct Options {
     int32_t slots_per_layer = 0;  // 0: every expert fits
-    int32_t cpu_threshold = 0;
+    int32_t cpu_threshold = 0;  // -1: the cost-model scheduler
     int32_t prefetch_window = 0;
     bool threaded = false;
     bool allow_pin = true;
@@ -151,11 +151,13 @@ struct Rig {
         }
         device = std::make_unique<FakeMoeDevice>(backend, store, model, max_tokens);
         HybridMoeConfig hc;
-        hc.rule.cpu_threshold = o.cpu_threshold;
-        hc.rule.stream_min_batch = o.stream_min_batch;
-        hc.prefetch_window = o.prefetch_window;
-        moe = std::make_unique<HybridMoe>(model, store, plan, cache.get(), loader.get(), predictor.get(), *device,
-                                          &backend, hc, max_tokens, /*shared_on_device=*/false);
+        hc.planner.cpu_threshold = o.cpu_threshold;
+        hc.planner.stream_min_batch = o.stream_min_batch;
+        hc.planner.prefetch_window = o.prefetch_window;
+        const ExpertShape shape = ExpertShape::of(store.layout(0));
+        moe = std::make_unique<HybridMoe>(model, store, plan, cache.get(), loader.get(), engine.get(), predictor.get(),
+                                          *device, &backend, CostModel(CostProfile::h200_reference(), shape, 1, ec.chunk_bytes),
+                                          hc, max_tokens, /*shared_on_device=*/false);
         executor = std::make_unique<HybridExecutor>(*moe, *device);
     }
     ~Rig() {
@@ -259,10 +261,10 @@ TEST(HybridMoe, ExpertsStreamedInWavesThroughFewSlotsEqualTheCpuExecutor) {
             o.stream_min_batch = 2;
             Rig rig(*model, o, kBatch);
             expect_bitwise_equal(run_tokens(*model, rig.executor.get(), 4), run_tokens(*model, nullptr, 4));
-            EXPECT_GT(rig.moe->stats().streamed, 0u);
+            EXPECT_GT(rig.cache->total_stats().streamed, 0u);
             EXPECT_GE(rig.device->most_waves(), 2);
             most_waves = std::max(most_waves, rig.device->most_waves());
-            EXPECT_LE(rig.moe->stats().streamed, rig.cache->total_stats().demand_misses);  // never resident
+            EXPECT_LE(rig.cache->total_stats().streamed, rig.cache->total_stats().demand_misses);  // never resident
         }
     }
     EXPECT_GE(most_waves, 3);  // streamed waves reuse the slots of the streamed wave before
@@ -283,7 +285,7 @@ TEST(HybridMoe, EveryRoutedExpertIsCountedOnceAsHitMissOrCpu) {
         const int32_t t = int32_t(i * 13 + 2);
         ctx.eval({&t, 1});
     }
-    const CacheLayerStats s = rig.cache->total_stats();
+    const LayerStats s = rig.cache->total_stats();
     EXPECT_EQ(s.accesses(), unique);
     EXPECT_GT(s.cpu_runs, 0u);       // prefill batches route more experts than a layer's slots hold
     EXPECT_GT(s.demand_misses, 0u);  // the cold cache
@@ -324,8 +326,8 @@ TEST(HybridMoe, StepPairsCoverEveryTokenSlotOnceGpuPairsFirst) {
         }
     }
     for (int c : seen) EXPECT_EQ(c, 1);
-    EXPECT_EQ(rig.moe->last_decision().n_fetch, 1);
-    EXPECT_EQ(rig.moe->last_decision().n_cpu, s.n_cpu);
+    EXPECT_EQ(rig.moe->last_plan().decision.n_fetch, 1);
+    EXPECT_EQ(rig.moe->last_plan().decision.n_cpu, s.n_cpu);
 }
 
 TEST(ExpertStore, CanonicalBytesAreTheFileExpertsBackToBack) {
