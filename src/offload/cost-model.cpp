@@ -318,7 +318,7 @@ double CostModel::cpu_us(int64_t tokens) const {
         const double read = double(shape_.bytes) / (host_read_gb_s() * profile_.cpu_bw_fraction * 1e3);
         const double gflops = profile_.cpu_gflops * double(threads_) / double(profile_.cpu_threads);
         const double math = double(tokens) * shape_.flops_per_token() / (gflops * 1e3);
-        us = profile_.cpu_expert_us + read + math;
+        us = profile_.cpu_expert_us + std::max(read, math);  // the products stream the weights once
     }
     return std::max(us, 0.0) * corrections.cpu;
 }

@@ -71,8 +71,8 @@ struct CostProfile {
     double gpu_layer_us_per_token = 0; // added per token of the batch (prefill attention and projections)
     std::string gpu_source;
 
-    // CPU, for shapes without measured points: expert = fixed + bytes / (read bandwidth x fraction) +
-    // tokens x flops / gflops.
+    // CPU, for shapes without measured points: expert = fixed + max(bytes / (read bandwidth x fraction),
+    // tokens x flops / gflops).
     int32_t cpu_threads = 16;
     std::vector<CostPoint> host_read_gb_s;  // threads -> GB/s of a parallel sequential read
     double cpu_bw_fraction = 0.73;          // share of that bandwidth the expert products reach

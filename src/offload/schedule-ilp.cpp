@@ -89,9 +89,12 @@ IlpResult solve_layer_ilp(const LayerState &s, const IlpOptions &o) {
     double hit_arrival = 0, hit_gpu = 0, cpu_fixed = 0, big = 1000;
     int32_t cpu_only = 0;
     std::vector<int32_t> misses;  // routed indices of the missed experts that may run on the GPU, ascending id
+    // big bounds every time of the layer (all work serialised); kept tight: GLPK's integrality tolerance times
+    // big is the slack a big-M row can leak.
     for (size_t i = 0; i < n; ++i) {
         const SchedExpert &x = s.routed[i];
-        big += x.cpu_us + x.fetch_us + x.gpu_us + s.wave_us + x.arrival_us;
+        const bool hit_only = x.where != SchedResidency::MISSING && x.site != ExecSite::CPU;
+        big += (hit_only ? 0.0 : x.cpu_us + x.fetch_us) + x.gpu_us + s.wave_us + x.arrival_us;
         if (x.site == ExecSite::CPU) {
             ++cpu_only;
             cpu_fixed += x.cpu_us;
@@ -106,8 +109,8 @@ IlpResult solve_layer_ilp(const LayerState &s, const IlpOptions &o) {
             cpu_fixed += x.cpu_us;
         }
     }
-    big += s.link_free_us + s.host_us + s.cpu_layer_us + s.prefetch_backlog_us + 4 * s.wave_us;
-    for (const SchedCandidate &c : s.candidates) big += c.fetch_us;
+    big += s.link_free_us + s.host_us + s.cpu_layer_us + s.prefetch_backlog_us + s.issue_slack_us + 4 * s.wave_us;
+    for (const SchedCandidate &c : s.candidates) big += c.fetch_us + prefetch_deadline_us(s, c.distance);
     const auto m = int32_t(misses.size());
     const double big_n = double(m + 1);
     const int32_t free = std::max(s.free_slots, 0), per_wave = std::max(s.wave_slots, 1);
@@ -321,6 +324,8 @@ IlpResult solve_layer_ilp(const LayerState &s, const IlpOptions &o) {
     parm.presolve = GLP_ON;
     parm.msg_lev = GLP_MSG_OFF;
     parm.tm_lim = o.time_limit_ms;
+    parm.tol_int = 1e-9;  // x big (~1e4..1e6 us) stays far below a microsecond
+    parm.tol_obj = 1e-9;
     const int ret = glp_intopt(p.lp(), &parm);
     const int status = glp_mip_status(p.lp());
     res.feasible = status == GLP_OPT || status == GLP_FEAS;

@@ -301,8 +301,11 @@ void Scheduler::plan(const LayerState &s, LayerPlan &out) {
             order_.push_back(int32_t(i));
         }
     }
+    // The link costs the same per expert of a layer, so the GPU should take the experts the CPU would spend
+    // longest on: most CPU time first (most tokens, for the model's costs).
     std::sort(order_.begin(), order_.end(), [&](int32_t a, int32_t b) {
         const SchedExpert &x = s.routed[size_t(a)], &y = s.routed[size_t(b)];
+        if (x.cpu_us != y.cpu_us) return x.cpu_us > y.cpu_us;
         return x.n_tokens != y.n_tokens ? x.n_tokens > y.n_tokens : x.expert < y.expert;
     });
     candidate_priority_order(s, cand_order_);
@@ -319,28 +322,39 @@ void Scheduler::plan(const LayerState &s, LayerPlan &out) {
             std::swap(best_, trial_);
         }
     }
-    // Local improvement: move one AUTO miss between the CPU and the GPU while that helps.
+    // Local improvement while it helps: move one AUTO miss between the CPU and the GPU, or (small layers)
+    // exchange a GPU one with a CPU one.
     if (!order_.empty()) {
         for (size_t i = 0; i < n; ++i) gpu_[i] = best_.decision.experts[i].action == ExpertAction::FETCH ||
                                                  best_.decision.experts[i].action == ExpertAction::STREAM;
-        for (int pass = 0; pass < 2; ++pass) {
+        auto fits = [&] {
+            int32_t on_gpu = forced;
+            for (int32_t o : order_) on_gpu += gpu_[size_t(o)];
+            return can_stream(s) || on_gpu <= std::max(s.free_slots, forced);
+        };
+        auto try_current = [&] {
+            if (!fits()) return false;
+            const double j = evaluate(s, trial_);
+            if (j >= best - 1e-9) return false;
+            best = j;
+            std::swap(best_, trial_);
+            return true;
+        };
+        const bool swaps = order_.size() <= 16;
+        for (int pass = 0; pass < 4; ++pass) {
             bool improved = false;
-            for (int32_t idx : order_) {
-                const auto i = size_t(idx);
-                gpu_[i] ^= 1;
-                int32_t on_gpu = forced;
-                for (int32_t o : order_) on_gpu += gpu_[size_t(o)];
-                if (!can_stream(s) && on_gpu > std::max(s.free_slots, forced)) {
-                    gpu_[i] ^= 1;
-                    continue;
-                }
-                const double j = evaluate(s, trial_);
-                if (j < best - 1e-9) {
-                    best = j;
-                    std::swap(best_, trial_);
-                    improved = true;
-                } else {
-                    gpu_[i] ^= 1;
+            for (int32_t a : order_) {
+                gpu_[size_t(a)] ^= 1;
+                if (try_current()) improved = true;
+                else gpu_[size_t(a)] ^= 1;
+            }
+            for (size_t ia = 0; swaps && ia < order_.size(); ++ia) {
+                for (size_t ib = ia + 1; ib < order_.size(); ++ib) {
+                    const auto a = size_t(order_[ia]), b = size_t(order_[ib]);
+                    if (gpu_[a] == gpu_[b]) continue;
+                    std::swap(gpu_[a], gpu_[b]);
+                    if (try_current()) improved = true;
+                    else std::swap(gpu_[a], gpu_[b]);
                 }
             }
             if (!improved) break;
