@@ -14,6 +14,12 @@
 
 namespace prescope {
 
+namespace {
+
+constexpr float kHistoryRate = 0.02f;  // weight of the newest step in the routing history (about 50 steps)
+
+} // namespace
+
 LayerPlanner::LayerPlanner(const PlacementPlan &placement, const ExpertCache *cache, const CostModel &cost,
                            const PlannerConfig &config, int32_t top_k, int32_t max_tokens)
     : placement_(placement), cache_(cache), cost_(cost), config_(config), top_k_(top_k),
@@ -28,6 +34,12 @@ LayerPlanner::LayerPlanner(const PlacementPlan &placement, const ExpertCache *ca
     threshold_prefetch_.reserve(size_t(max_candidates));
     keep_.reserve(size_t(max_candidates));
     scheduler_.reserve(E, max_candidates);
+    // Before any history every expert is as likely as any other: top_k of n_experts per step.
+    const float prior = float(top_k) / float(std::max(E, 1));
+    frequency_.assign(size_t(placement.n_layers) * size_t(E), prior);
+    reuse_.assign(size_t(placement.n_layers), prior);
+    misses_.assign(size_t(placement.n_layers), 0.0f);
+    last_routed_.assign(size_t(placement.n_layers) * size_t(E), 0);
     (void)max_tokens;
     if (!config_.dump_path.empty()) {
         dump_ = std::fopen(config_.dump_path.c_str(), "w");
@@ -74,10 +86,60 @@ bool LayerPlanner::begin(int32_t layer, std::span<const int32_t> routed, int32_t
     s.next_free.assign(size_t(std::max(window, 0)), 0);
     s.candidates.clear();
     if (!cache_) return false;
-    for (const SchedExpert &x : s.routed) {
-        if (x.where == SchedResidency::MISSING && x.site != ExecSite::CPU) return true;
+
+    // Residency: what fetching a missed expert saves the layer's later steps (it stays resident), from how
+    // often the layer's experts come back; then the history moves on by this step.
+    const int32_t E = placement_.n_experts;
+    const size_t base = size_t(layer) * size_t(E);
+    int32_t misses = 0;
+    for (SchedExpert &x : s.routed) {
+        if (x.where != SchedResidency::MISSING || x.site == ExecSite::CPU) continue;
+        ++misses;
+        x.install_us = install_us(layer, reuse_[size_t(layer)], frequency_[base + size_t(x.expert)]);
     }
-    return false;
+    if (!s.stream) misses_[size_t(layer)] += kHistoryRate * (float(misses) - misses_[size_t(layer)]);
+    int32_t again = 0, before = 0;
+    for (int32_t e = 0; e < E; ++e) {
+        const bool now = counted_.tokens[size_t(e)] > 0;
+        before += last_routed_[base + size_t(e)];
+        again += now && last_routed_[base + size_t(e)];
+        last_routed_[base + size_t(e)] = now;
+        frequency_[base + size_t(e)] += kHistoryRate * (float(now) - frequency_[base + size_t(e)]);
+    }
+    if (before > 0) reuse_[size_t(layer)] += kHistoryRate * (float(again) / float(before) - reuse_[size_t(layer)]);
+    return misses > 0;
+}
+
+double LayerPlanner::victim_frequency(int32_t layer) const {
+    const int32_t E = placement_.n_experts;
+    int32_t resident = 0;
+    double low = 1.0;
+    for (int32_t e = 0; e < E; ++e) {
+        const int32_t slot = cache_->find(layer, e);
+        if (slot < 0) continue;
+        ++resident;
+        if (cache_->slot_fixed(slot) || (layer == state_.layer && counted_.tokens[size_t(e)] > 0)) continue;
+        low = std::min(low, double(frequency_[size_t(layer) * size_t(E) + size_t(e)]));
+    }
+    return resident < cache_->layer_slots(layer) ? 0.0 : low;
+}
+
+double LayerPlanner::install_us(int32_t layer, double next, double frequency) const {
+    // m misses shared ideally take T(m) = min over k of max(k f, (m - k) c); one more adds T(m + 1) - T(m):
+    // min(c, f) for the first, about c f / (c + f) when there are many.
+    const double c = cost_.cpu_us(1), f = cost_.fetch_us();
+    const auto shared = [&](int32_t m) {
+        double t = double(m) * c;
+        for (int32_t k = 1; k <= m; ++k) t = std::min(t, std::max(double(k) * f, double(m - k) * c));
+        return t;
+    };
+    const auto m = int32_t(std::lround(misses_[size_t(layer)]));
+    // An expert stays about slots / (experts loaded per step) steps (LRU turnover), up to the horizon.
+    const double turnover = double(cache_->layer_slots(layer)) / std::max(double(misses_[size_t(layer)]), 1.0 / 64);
+    const double h = std::min(double(std::max(config_.residency_horizon, 0)), std::max(turnover, 1.0));
+    if (h == 0) return 0.0;
+    const double uses = next + (h - 1) * frequency - h * victim_frequency(layer);
+    return std::max(uses, 0.0) * (shared(m + 1) - shared(m));
 }
 
 void LayerPlanner::set_candidates(std::span<const PrefetchRequest> predicted, int32_t n_pred_tokens) {
@@ -108,6 +170,9 @@ void LayerPlanner::set_candidates(std::span<const PrefetchRequest> predicted, in
         const double gpu = cost_.gpu_us(tokens);
         c.fetch_us = fetch;
         c.miss_us = std::max(std::min(cost_.cpu_us(tokens), fetch + gpu) - gpu, 0.0);
+        // Routed there now (prob) -> likely again next step; later steps as often as it has been.
+        const double f = frequency_[size_t(r.layer) * size_t(placement_.n_experts) + size_t(r.expert)];
+        c.install_us = install_us(r.layer, c.prob * reuse_[size_t(r.layer)] + (1 - c.prob) * f, f);
         s.candidates.push_back(c);
     }
     // Slots a prefetch may take in layer l+d: those not fixed and not holding a predicted resident expert,

@@ -28,6 +28,8 @@ struct PlannerConfig {
     int32_t prefetch_window = 0;         // layers ahead the predictor scores
     int32_t prefetch_max_per_layer = 0;  // prefetches per predicted layer and step; 0 = top_k
     int32_t max_prefetch_in_flight = 8;  // prefetch requests outstanding at most (cost rule)
+    int32_t residency_horizon = 256;     // most steps of a layer over which keeping an expert resident is valued
+                                         // (fewer when the layer's slots turn over faster)
     bool balance = true;                 // apply the load balancer's corrections to the cost model
     std::string dump_path;               // append every planned layer's state here (JSON lines), "" = off
 };
@@ -67,11 +69,20 @@ class LayerPlanner {
     bool cost_rule() const { return config_.cpu_threshold < 0; }
     /// Predicted experts already resident: the executor keeps prefetches from evicting them.
     std::span<const PrefetchRequest> keep() const { return keep_; }
-    /// The threshold rule's prefetch list (the predictor's, in score order) when cost_rule() is false.
+    /// The host's predictor and prefetch time per layer (a moving average the executor measures).
     void set_host_us(double us) { host_us_ = us; }
 
   private:
     void dump();
+    /// Routing frequency of the expert the cache would give up in `layer` for a new one: 0 with a free slot,
+    /// else the lowest among the resident experts not routed now.
+    double victim_frequency(int32_t layer) const;
+    /// What keeping one more expert of `layer` resident saves: running it elsewhere now only delays its load to
+    /// its next use, so one miss, if that use comes within its expected stay (slots / experts loaded per step, at
+    /// most residency_horizon steps; next step with probability `next`, later ones at its routing frequency),
+    /// less the same for the victim; one miss = what it adds to a step with the layer's usual misses, the CPU
+    /// and the link sharing them (min(CPU, fetch) when misses are rare, about c f / (c + f) when many).
+    double install_us(int32_t layer, double next, double frequency) const;
 
     const PlacementPlan &placement_;
     const ExpertCache *cache_;
@@ -85,6 +96,10 @@ class LayerPlanner {
     std::span<const int32_t> routed_;     // the layer's ids (valid until plan_routed)
     std::vector<PrefetchRequest> threshold_prefetch_;  // the predictor's list (threshold rule)
     std::vector<PrefetchRequest> keep_;
+    std::vector<float> frequency_;      // [n_layers * n_experts] moving average of "routed in a step"
+    std::vector<float> reuse_;          // [n_layers] moving average of the share of last step's experts routed again
+    std::vector<float> misses_;         // [n_layers] moving average of the routed experts missing per step
+    std::vector<uint8_t> last_routed_;  // [n_layers * n_experts] routed in the layer's last step
     bool candidates_set_ = false;
     double host_us_ = 0;
     std::FILE *dump_ = nullptr;

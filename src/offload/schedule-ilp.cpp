@@ -122,7 +122,8 @@ IlpResult solve_layer_ilp(const LayerState &s, const IlpOptions &o) {
     auto uw = [&](int32_t i, int32_t w) -> int & { return u[size_t(i) * size_t(n_waves + 1) + size_t(w)]; };
     int32_t forced = 0;
     for (int32_t i = 0; i < m; ++i) {
-        const bool gpu_only = s.routed[size_t(misses[size_t(i)])].site == ExecSite::GPU;
+        const SchedExpert &xe = s.routed[size_t(misses[size_t(i)])];
+        const bool gpu_only = xe.site == ExecSite::GPU;
         forced += gpu_only;
         x[size_t(i)] = gpu_only ? p.fixed_binary(1) : p.binary();
         for (int32_t w = 0; w <= n_waves; ++w) uw(i, w) = stream ? p.binary() : x[size_t(i)];
@@ -183,6 +184,20 @@ IlpResult solve_layer_ilp(const LayerState &s, const IlpOptions &o) {
         }
         p.at_most(r, 0);
     }
+    std::vector<int> v_wave(size_t(n_waves + 1), -1);  // v_w: wave w holds an expert (w >= 1), made below
+    for (int32_t w = 1; w <= n_waves; ++w) v_wave[size_t(w)] = p.binary();
+    // Residency of the loads: q_i = 1 (credit install_us) when the GPU expert i is among the layer's last
+    // wave_slots loads in id order: q_i <= x_i and sum_{j > i} x_j <= wave_slots - 1 unless q_i = 0 (binary:
+    // a fractional q would leak credit through the big-M row).
+    for (int32_t i = 0; i < m; ++i) {
+        const double install = s.routed[size_t(misses[size_t(i)])].install_us;
+        if (install <= 0) continue;
+        const int q = p.binary(-install);
+        p.at_most(Row().add(q, 1).add(x[size_t(i)], -1), 0);
+        Row later;
+        for (int32_t j = i + 1; j < m; ++j) later.add(x[size_t(j)], 1);
+        p.at_most(later.add(q, big_n), double(std::max(s.wave_slots, 1) - 1) + big_n);
+    }
     p.at_most(Row().add(split, 1).add(a, -1), 0);
     p.at_most(Row().add(split, 1).add(b, -1), 0);
     p.at_most(Row().add(split, 1).add(st, 1), 1);
@@ -240,7 +255,7 @@ IlpResult solve_layer_ilp(const LayerState &s, const IlpOptions &o) {
     // Streamed waves.
     int e_prev = e0, l_prev = -1;  // l_prev = -1: the link end after wave 0 is an expression
     for (int32_t w = 1; w <= n_waves; ++w) {
-        const int v = p.binary(), sw = p.time(), lw = p.time(), ew = p.time();
+        const int v = v_wave[size_t(w)], sw = p.time(), lw = p.time(), ew = p.time();
         Row vmax;
         vmax.add(v, 1);
         for (int32_t i = 0; i < m; ++i) {
@@ -278,13 +293,32 @@ IlpResult solve_layer_ilp(const LayerState &s, const IlpOptions &o) {
     p.at_least(Row().add(t, 1).add(e_prev, -1), 0);
     p.at_least(Row().add(t, 1).add(c_end, -1), 0);
 
-    // Prefetches in priority order: y_j = 1 lands before its deadline.
+    // Prefetches issued in priority order: y_j = 1 issues it (credit install_us), z_j = 1 when it also lands
+    // before its deadline (credit prob x miss_us).
     std::vector<int32_t> order;
     candidate_priority_order(s, order);
     while (!order.empty()) {
         const SchedCandidate &c = s.candidates[size_t(order.back())];
-        if (c.prob * c.miss_us > 0) break;
+        if (c.prob * c.miss_us + c.install_us > 0) break;
         order.pop_back();  // worthless candidates are never planned
+    }
+    // Installs: a CPU-run miss copied behind everything (w_i <= 1 - x_i), not in a layer that streams, into the
+    // slots the FETCH experts leave (sum w + sum u0 <= free_slots); credit install_us.
+    std::vector<int> w_install(size_t(m), -1);
+    {
+        Row slots;
+        for (int32_t i = 0; i < m; ++i) {
+            const SchedExpert &xe = s.routed[size_t(misses[size_t(i)])];
+            slots.add(uw(i, 0), 1);
+            if (xe.site == ExecSite::GPU || xe.install_us <= 0) continue;
+            w_install[size_t(i)] = p.binary(-xe.install_us);
+            p.at_most(Row().add(w_install[size_t(i)], 1).add(x[size_t(i)], 1), 1);
+            p.at_most(Row().add(w_install[size_t(i)], 1).add(st, 1), 1);
+            slots.add(w_install[size_t(i)], 1);
+        }
+        if (std::any_of(w_install.begin(), w_install.end(), [](int c) { return c >= 0; })) {
+            p.at_most(slots, double(std::max(free, forced)));
+        }
     }
     std::vector<int> y(order.size());
     double stall_all = 0;
@@ -302,16 +336,21 @@ IlpResult solve_layer_ilp(const LayerState &s, const IlpOptions &o) {
         const double arrive_const = l_prev < 0 ? s.link_free_us : 0.0;
         for (size_t k = 0; k < order.size(); ++k) {
             const SchedCandidate &c = s.candidates[size_t(order[k])];
-            y[k] = p.binary(-c.prob * c.miss_us);
+            y[k] = p.binary(-c.install_us);
+            const int z = p.binary(-c.prob * c.miss_us);
+            p.at_most(Row().add(z, 1).add(y[k], -1), 0);
             total.add(y[k], 1);
             if (c.distance >= 1 && size_t(c.distance) <= per.size()) per[size_t(c.distance - 1)].add(y[k], 1);
             else glp_set_col_bnds(p.lp(), y[k], GLP_FX, 0, 0);
             arrive.add(y[k], c.fetch_us);
             Row r = arrive;
-            r.add(y[k], big);
+            r.add(z, big);
             p.at_most(r, prefetch_deadline_us(s, c.distance) - s.prefetch_backlog_us - arrive_const + big);
         }
-        if (!order.empty()) p.at_most(total, double(std::max(room, 0)));
+        for (int c : w_install) {
+            if (c >= 0) total.add(c, 1);
+        }
+        if (total.ind.size() > 1) p.at_most(total, double(std::max(room, 0)));
         for (size_t d = 0; d < per.size(); ++d) {
             if (per[d].ind.size() > 1) p.at_most(per[d], double(s.next_free[d]));
         }
@@ -349,7 +388,14 @@ IlpResult solve_layer_ilp(const LayerState &s, const IlpOptions &o) {
         if (glp_mip_col_val(p.lp(), y[k]) < 0.5) continue;
         const SchedCandidate &c = s.candidates[size_t(order[k])];
         link += c.fetch_us;
-        res.plan.prefetch.push_back({c.layer, c.expert, c.prob, link, prefetch_deadline_us(s, c.distance), -1, order[k]});
+        res.plan.prefetch.push_back(
+            {c.layer, c.expert, c.prob, link, prefetch_deadline_us(s, c.distance), -1, order[k], -1});
+    }
+    for (int32_t i = 0; i < m; ++i) {
+        if (w_install[size_t(i)] >= 0 && glp_mip_col_val(p.lp(), w_install[size_t(i)]) > 0.5) {
+            res.plan.prefetch.push_back({s.layer, s.routed[size_t(misses[size_t(i)])].expert, 1.0, 0, 0, -1, -1,
+                                         misses[size_t(i)]});
+        }
     }
     res.plan.predicted = evaluate_plan(s, res.plan.decision, res.plan.split, res.plan.prefetch);
     res.plan.rule = "ilp";

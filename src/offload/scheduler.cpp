@@ -54,7 +54,7 @@ PlanTimes evaluate_plan(const LayerState &s, const LayerDecision &d, bool split,
                         const std::vector<PlannedPrefetch> &prefetch) {
     PRESCOPE_ASSERT(d.experts.size() == s.routed.size());
     const HitWave h = hit_wave(s, &d);
-    double fetch_link = 0, fetch_gpu = 0, cpu = 0;
+    double fetch_link = 0, fetch_gpu = 0, cpu = 0, install = 0;  // install: of the FETCH experts
     bool any_fetch = false, any_cpu = false, any_stream = false;
     for (size_t i = 0; i < s.routed.size(); ++i) {
         const SchedExpert &x = s.routed[i];
@@ -63,6 +63,7 @@ PlanTimes evaluate_plan(const LayerState &s, const LayerDecision &d, bool split,
             any_fetch = true;
             fetch_link += x.fetch_us;
             fetch_gpu += x.gpu_us;
+            install += x.install_us;
             break;
         case ExpertAction::CPU:
             any_cpu = true;
@@ -75,6 +76,15 @@ PlanTimes evaluate_plan(const LayerState &s, const LayerDecision &d, bool split,
     split = split && any_fetch && any_cpu && !any_stream;
 
     PlanTimes t;
+    // The loads of the layer take slots in ascending id (FETCH, then the streamed waves), each evicting the
+    // least recently used: the last wave_slots of them stay resident (all of them when nothing streams).
+    int32_t after = 0;
+    for (size_t i = s.routed.size(); i-- > 0;) {
+        const ExpertAction a = d.experts[i].action;
+        if (a != ExpertAction::FETCH && a != ExpertAction::STREAM) continue;
+        if (after++ < std::max(s.wave_slots, 1)) t.residency_us += s.routed[i].install_us;
+    }
+    (void)install;
     const double link0 = s.link_free_us + fetch_link;  // the wave-0 copies land
     // Host: blocked until the wave-0 copies are issued, then the predictor, then the CPU experts.
     double block = h.any ? h.arrival_us - s.issue_slack_us : 0.0;
@@ -93,6 +103,7 @@ PlanTimes evaluate_plan(const LayerState &s, const LayerDecision &d, bool split,
     if (any_stream) {
         PRESCOPE_ASSERT(s.wave_slots > 0);
         // Streamed experts in ascending id, wave_slots per wave; each wave's copies wait for the wave before.
+        // Each wave takes every slot that is not fixed: only the last wave's experts stay resident.
         int32_t in_wave = 0;
         double wave_link = 0, wave_gpu = 0;
         auto close_wave = [&] {
@@ -120,12 +131,19 @@ PlanTimes evaluate_plan(const LayerState &s, const LayerDecision &d, bool split,
     double link = link_end + s.prefetch_backlog_us;
     const double hits_end = h.any ? h.arrival_us + s.wave_us + h.gpu_us : 0.0;
     for (const PlannedPrefetch &p : prefetch) {
+        if (p.routed >= 0) {
+            PRESCOPE_ASSERT(size_t(p.routed) < s.routed.size() && d.experts[size_t(p.routed)].action == ExpertAction::CPU);
+            link += s.routed[size_t(p.routed)].fetch_us;
+            if (!any_stream) t.residency_us += s.routed[size_t(p.routed)].install_us;
+            continue;
+        }
         PRESCOPE_ASSERT(p.candidate >= 0 && size_t(p.candidate) < s.candidates.size());
         const SchedCandidate &c = s.candidates[size_t(p.candidate)];
         link += c.fetch_us;
         const double deadline = hits_end + double(c.distance) * s.next_layer_us +
                                 double(std::max(c.distance - 1, 0)) * s.moe_estimate_us;
         if (link <= deadline) stall -= c.prob * c.miss_us;
+        t.residency_us += c.install_us;
     }
     t.next_stall_us = std::max(stall, 0.0);
     return t;
@@ -214,7 +232,7 @@ void candidate_priority_order(const LayerState &s, std::vector<int32_t> &order) 
     for (size_t i = 0; i < s.candidates.size(); ++i) order.push_back(int32_t(i));
     std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
         const SchedCandidate &x = s.candidates[size_t(a)], &y = s.candidates[size_t(b)];
-        const double vx = x.prob * x.miss_us, vy = y.prob * y.miss_us;
+        const double vx = x.prob * x.miss_us + x.install_us, vy = y.prob * y.miss_us + y.install_us;
         if (vx != vy) return vx > vy;
         return x.layer != y.layer ? x.layer < y.layer : x.expert < y.expert;
     });
@@ -222,7 +240,7 @@ void candidate_priority_order(const LayerState &s, std::vector<int32_t> &order) 
 
 void LayerPlan::reserve(int32_t n_experts, int32_t max_prefetch) {
     decision.reserve(n_experts);
-    prefetch.reserve(size_t(std::max(max_prefetch, 0)));
+    prefetch.reserve(size_t(std::max(max_prefetch, 0)) + size_t(n_experts));  // candidates, then installs
 }
 
 std::string LayerPlan::describe() const {
@@ -235,14 +253,16 @@ std::string LayerPlan::describe() const {
         }
         out += "]";
     }
-    out += fmt::format(" | predicted gpu {:.0f} cpu {:.0f} link {:.0f} critical {:.0f} stall {:.0f} us ({})",
+    out += fmt::format(" | predicted gpu {:.0f} cpu {:.0f} link {:.0f} critical {:.0f} stall {:.0f} residency {:.0f} "
+                       "us ({})",
                        predicted.gpu_end_us, predicted.cpu_end_us, predicted.link_end_us, predicted.critical_us,
-                       predicted.next_stall_us, rule);
+                       predicted.next_stall_us, predicted.residency_us, rule);
     return out;
 }
 
 void Scheduler::reserve(int32_t n_experts, int32_t max_candidates) {
     order_.reserve(size_t(n_experts));
+    installs_.reserve(size_t(n_experts));
     gpu_.reserve(size_t(n_experts));
     cand_order_.reserve(size_t(max_candidates));
     best_.reserve(n_experts, max_candidates);
@@ -258,15 +278,43 @@ void Scheduler::add_prefetches(const LayerState &s, LayerPlan &p, double link_en
     double link = link_end_us + s.prefetch_backlog_us;
     for (int32_t ci : cand_order_) {
         const SchedCandidate &c = s.candidates[size_t(ci)];
-        if (c.prob * c.miss_us <= 0) break;  // sorted: nothing after this helps
+        if (c.prob * c.miss_us + c.install_us <= 0) break;  // sorted: nothing after this helps
         const auto d = size_t(c.distance - 1);
         if (d >= per_layer_left.size() || per_layer_left[d] <= 0) continue;
         const double deadline = prefetch_deadline_us(s, c.distance);
-        if (link + c.fetch_us > deadline) continue;  // would land too late: it only takes link time
+        // Too late for this step and nothing to gain later: it would only take link time.
+        if (link + c.fetch_us > deadline && c.install_us <= 0) continue;
         link += c.fetch_us;
         --per_layer_left[d];
-        p.prefetch.push_back({c.layer, c.expert, c.prob, link, deadline, -1, ci});
+        p.prefetch.push_back({c.layer, c.expert, c.prob, link, deadline, -1, ci, -1});
         if (--room == 0) break;
+    }
+    add_installs(s, p);
+}
+
+void Scheduler::add_installs(const LayerState &s, LayerPlan &p) {
+    // CPU-run misses worth keeping, copied behind everything else into the layer's slots the plan leaves free,
+    // within the prefetch room; never in a layer that streams (its waves take every slot).
+    if (p.decision.n_stream > 0) return;
+    int32_t room = std::min(s.prefetch_room, config_.max_prefetch_in_flight) - int32_t(p.prefetch.size());
+    int32_t slots = s.free_slots - p.decision.n_fetch;
+    installs_.clear();
+    for (size_t i = 0; i < s.routed.size(); ++i) {
+        const SchedExpert &x = s.routed[i];
+        if (p.decision.experts[i].action == ExpertAction::CPU && x.where == SchedResidency::MISSING &&
+            x.site == ExecSite::AUTO && x.install_us > 0) {
+            installs_.push_back(int32_t(i));
+        }
+    }
+    std::sort(installs_.begin(), installs_.end(), [&](int32_t a, int32_t b) {
+        const SchedExpert &x = s.routed[size_t(a)], &y = s.routed[size_t(b)];
+        return x.install_us != y.install_us ? x.install_us > y.install_us : x.expert < y.expert;
+    });
+    for (int32_t i : installs_) {
+        if (room <= 0 || slots <= 0) break;
+        p.prefetch.push_back({s.layer, s.routed[size_t(i)].expert, 1.0, 0, 0, -1, -1, i});
+        --room;
+        --slots;
     }
 }
 
@@ -438,11 +486,11 @@ nlohmann::json LayerState::to_json() const {
     for (const SchedExpert &x : routed) {
         r.push_back({{"expert", x.expert}, {"tokens", x.n_tokens}, {"where", residency_name(x.where)},
                      {"site", site_name(x.site)}, {"gpu_us", x.gpu_us}, {"cpu_us", x.cpu_us},
-                     {"fetch_us", x.fetch_us}, {"arrival_us", x.arrival_us}});
+                     {"fetch_us", x.fetch_us}, {"arrival_us", x.arrival_us}, {"install_us", x.install_us}});
     }
     for (const SchedCandidate &x : candidates) {
         c.push_back({{"layer", x.layer}, {"expert", x.expert}, {"distance", x.distance}, {"prob", x.prob},
-                     {"fetch_us", x.fetch_us}, {"miss_us", x.miss_us}});
+                     {"fetch_us", x.fetch_us}, {"miss_us", x.miss_us}, {"install_us", x.install_us}});
     }
     return {{"layer", layer},
             {"tokens", n_tokens},
@@ -504,6 +552,7 @@ LayerState LayerState::from_json(const nlohmann::json &j, const std::string &src
         x.cpu_us = num(r, "cpu_us", src);
         x.fetch_us = num(r, "fetch_us", src);
         x.arrival_us = num(r, "arrival_us", src);
+        x.install_us = r.contains("install_us") ? num(r, "install_us", src) : 0.0;
         if (!s.routed.empty() && x.expert <= s.routed.back().expert) {
             fail("{}: layer state: routed experts must be in ascending id", src);
         }
@@ -520,6 +569,7 @@ LayerState LayerState::from_json(const nlohmann::json &j, const std::string &src
         x.prob = num(c, "prob", src);
         x.fetch_us = num(c, "fetch_us", src);
         x.miss_us = num(c, "miss_us", src);
+        x.install_us = c.contains("install_us") ? num(c, "install_us", src) : 0.0;
         if (x.distance < 1 || size_t(x.distance) > s.next_free.size()) {
             fail("{}: layer state: candidate distance {} outside 1..{}", src, x.distance, s.next_free.size());
         }

@@ -36,6 +36,7 @@ struct SchedExpert {
     double cpu_us = 0;               // compute on the CPU
     double fetch_us = 0;             // copy to a slot
     double arrival_us = 0;           // ARRIVING: when its bytes land, from the layer's start
+    double install_us = 0;           // MISSING: what leaving it resident saves later steps, if it runs on the GPU
 };
 
 /// An expert the predictor expects at layer `layer` = running layer + distance, not on the GPU.
@@ -46,6 +47,7 @@ struct SchedCandidate {
     double prob = 0;       // chance it is routed there, in [0, 1]
     double fetch_us = 0;   // copy to a slot
     double miss_us = 0;    // what a miss would add to that layer: min(CPU, fetch + GPU) - GPU
+    double install_us = 0; // what having it resident saves later steps (whether or not it lands in time)
 };
 
 /// Everything the planner reads for one layer and batch: plain numbers (dumped and replayed by
@@ -82,7 +84,9 @@ struct PlannedPrefetch {
     double arrival_us = 0;  // predicted, from the layer's start
     double needed_us = 0;   // deadline: when layer `layer` is expected to need it
     int32_t slot = -1;      // filled when executed (the cache's victim among unprotected slots)
-    int32_t candidate = -1; // index into LayerState::candidates
+    int32_t candidate = -1; // index into LayerState::candidates, or -1 for an install
+    int32_t routed = -1;    // an install: index into LayerState::routed of a CPU-run expert copied behind the
+                            // layer's work, so that it is resident for later steps
 };
 
 /// Predicted times of a plan (evaluate_plan), microseconds from the layer's start.
@@ -92,7 +96,8 @@ struct PlanTimes {
     double link_end_us = 0;    // last demand copy landed
     double critical_us = 0;    // max(gpu_end, cpu_end): the layer's critical path
     double next_stall_us = 0;  // expected stall of layers l+1..l+w (sum over candidates of prob x miss)
-    double objective() const { return critical_us + next_stall_us; }
+    double residency_us = 0;   // what the experts this plan leaves resident save later steps (install_us)
+    double objective() const { return critical_us + next_stall_us - residency_us; }
 };
 
 /// What the executor does for one layer: the routed experts' actions (as the loader reads them), the split
@@ -121,6 +126,10 @@ struct LayerPlan {
 ///  - CPU chain: from host_us (or from when the host stops blocking), cpu_layer_us + the CPU experts.
 ///  - prefetches: in plan order after the last demand copy and the backlog; a candidate not in the plan
 ///    (or one arriving after its deadline) counts prob x miss_us as expected stall.
+///  - residency: the last wave_slots of the layer's loads in ascending id (FETCH then STREAM: all of them when
+///    nothing streams; each load evicts the least recent), every planned prefetch, and every install (a CPU-run expert copied
+///    at prefetch priority after the candidates, in a layer that does not stream) stay resident for later
+///    steps: their install_us are credited (objective = critical + stall - residency).
 /// Requires s.routed and d.experts to list the same experts in the same order.
 PlanTimes evaluate_plan(const LayerState &s, const LayerDecision &d, bool split,
                         const std::vector<PlannedPrefetch> &prefetch);
@@ -132,19 +141,20 @@ double prefetch_deadline_us(const LayerState &s, int32_t distance);
 /// The executor's mode for a decision: CPU and FETCH experts and no STREAM ones.
 bool plan_splits(const LayerDecision &d);
 
-/// Candidates in the order prefetches are considered (the heuristic's and the ILP's): prob x miss_us
-/// descending, then layer, then expert. Fills `order` with indices into s.candidates.
+/// Candidates in the order prefetches are considered and issued (the heuristic's and the ILP's): prob x
+/// miss_us + install_us descending, then layer, then expert. Fills `order` with indices into s.candidates.
 void candidate_priority_order(const LayerState &s, std::vector<int32_t> &order);
 
 struct SchedulerConfig {
     int32_t max_prefetch_in_flight = 8;  // prefetch requests outstanding at most (4-8 keeps the link busy)
 };
 
-/// The online heuristic. For m = 0, 1, ... it sends the m missed experts with the most tokens to the GPU
+/// The online heuristic. For m = 0, 1, ... it sends the m missed experts with the most CPU time to the GPU
 /// (FETCH while free slots last, then STREAM in large batches) and the rest to the CPU, adds prefetches
-/// greedily (priority prob x miss_us, only those that land before their deadline), evaluates each with
-/// evaluate_plan and keeps the best objective; a last pass tries moving single experts between the CPU and
-/// the GPU. O(n^2) evaluations for n missed experts. Allocates nothing after reserve().
+/// greedily in priority order (each one whose gain is positive: prob x miss_us if it lands before its deadline,
+/// plus install_us), evaluates each with evaluate_plan and keeps the best objective; a last pass tries moving
+/// single experts between the CPU and the GPU, and exchanges in small layers. O(n^2) evaluations for n missed
+/// experts. Allocates nothing after reserve().
 class Scheduler {
   public:
     explicit Scheduler(SchedulerConfig config = {}) : config_(config) {}
@@ -158,6 +168,7 @@ class Scheduler {
 
   private:
     void add_prefetches(const LayerState &s, LayerPlan &p, double link_end_us);
+    void add_installs(const LayerState &s, LayerPlan &p);
     double evaluate(const LayerState &s, LayerPlan &p);
 
     SchedulerConfig config_;
@@ -165,6 +176,7 @@ class Scheduler {
     std::vector<uint8_t> gpu_;         // [routed] scratch: 1 = runs on the GPU
     std::vector<int32_t> cand_order_;  // candidate indices by priority
     std::vector<int32_t> left_;        // [window] scratch: slots left per predicted layer
+    std::vector<int32_t> installs_;    // scratch: CPU-run missed experts by install value
     LayerPlan best_, trial_;
 };
 

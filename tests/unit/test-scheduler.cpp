@@ -113,10 +113,29 @@ double brute_force(const LayerState &s, int32_t max_in_flight = 8) {
                 if (!(pm >> k & 1)) continue;
                 const SchedCandidate &c = s.candidates[size_t(order[k])];
                 if (++per[size_t(c.distance - 1)] > s.next_free[size_t(c.distance - 1)]) ok = false;
-                pf.push_back({c.layer, c.expert, c.prob, 0, 0, -1, order[k]});
+                pf.push_back({c.layer, c.expert, c.prob, 0, 0, -1, order[k], -1});
             }
-            if (!ok || int32_t(pf.size()) > std::min(s.prefetch_room, max_in_flight)) continue;
-            best = std::min(best, evaluate_plan(s, d, split, pf).objective());
+            if (!ok) continue;
+            // Installs: any subset of the CPU-run misses with a credit, within the free slots and the room.
+            std::vector<int32_t> cpu_idx;
+            for (size_t i = 0; i < s.routed.size(); ++i) {
+                if (d.experts[i].action == ExpertAction::CPU && s.routed[i].where == SchedResidency::MISSING &&
+                    s.routed[i].site == ExecSite::AUTO && s.routed[i].install_us > 0) {
+                    cpu_idx.push_back(int32_t(i));
+                }
+            }
+            for (uint32_t im = 0; im < (1u << cpu_idx.size()); ++im) {
+                std::vector<PlannedPrefetch> all = pf;
+                int32_t n_inst = 0;
+                for (size_t b = 0; b < cpu_idx.size(); ++b) {
+                    if (!(im >> b & 1)) continue;
+                    all.push_back({s.layer, s.routed[size_t(cpu_idx[b])].expert, 1, 0, 0, -1, -1, cpu_idx[b]});
+                    ++n_inst;
+                }
+                if (n_inst > 0 && (d.n_stream > 0 || n_inst + d.n_fetch > std::max(s.free_slots, forced))) continue;
+                if (int32_t(all.size()) > std::min(s.prefetch_room, max_in_flight)) continue;
+                best = std::min(best, evaluate_plan(s, d, split, all).objective());
+            }
         }
     }
     return best;
@@ -147,6 +166,7 @@ LayerState random_state(std::mt19937 &rng, bool stream) {
         } else {
             SchedExpert x = miss(i * 3, tokens, 10 + 20 * u(rng) + tokens, 50 + 30 * tokens + 2000 * u(rng), fetch);
             if (u(rng) < 0.1) x.site = ExecSite::GPU;
+            if (u(rng) < 0.5) x.install_us = 400 * u(rng);
             s.routed.push_back(x);
         }
     }
@@ -163,6 +183,7 @@ LayerState random_state(std::mt19937 &rng, bool stream) {
         c.prob = u(rng);
         c.fetch_us = fetch;
         c.miss_us = 500 * u(rng);
+        if (u(rng) < 0.5) c.install_us = 300 * u(rng);
         s.candidates.push_back(c);
     }
     return s;
