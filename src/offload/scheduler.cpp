@@ -263,6 +263,7 @@ std::string LayerPlan::describe() const {
 void Scheduler::reserve(int32_t n_experts, int32_t max_candidates) {
     order_.reserve(size_t(n_experts));
     installs_.reserve(size_t(n_experts));
+    gains_.reserve(size_t(max_candidates + n_experts));
     gpu_.reserve(size_t(n_experts));
     cand_order_.reserve(size_t(max_candidates));
     best_.reserve(n_experts, max_candidates);
@@ -270,11 +271,14 @@ void Scheduler::reserve(int32_t n_experts, int32_t max_candidates) {
 }
 
 void Scheduler::add_prefetches(const LayerState &s, LayerPlan &p, double link_end_us) {
+    // Candidates in priority order (each whose gain is positive at its arrival), then the installs; when they
+    // exceed the room, the smallest gains go (dropping a candidate only brings the later ones forward).
     p.prefetch.clear();
-    int32_t room = std::min(s.prefetch_room, config_.max_prefetch_in_flight);
+    const int32_t room = std::min(s.prefetch_room, config_.max_prefetch_in_flight);
     if (room <= 0) return;
     std::vector<int32_t> &per_layer_left = left_;
     per_layer_left.assign(s.next_free.begin(), s.next_free.end());
+    gains_.clear();
     double link = link_end_us + s.prefetch_backlog_us;
     for (int32_t ci : cand_order_) {
         const SchedCandidate &c = s.candidates[size_t(ci)];
@@ -282,21 +286,26 @@ void Scheduler::add_prefetches(const LayerState &s, LayerPlan &p, double link_en
         const auto d = size_t(c.distance - 1);
         if (d >= per_layer_left.size() || per_layer_left[d] <= 0) continue;
         const double deadline = prefetch_deadline_us(s, c.distance);
+        const bool in_time = link + c.fetch_us <= deadline;
         // Too late for this step and nothing to gain later: it would only take link time.
-        if (link + c.fetch_us > deadline && c.install_us <= 0) continue;
+        if (!in_time && c.install_us <= 0) continue;
         link += c.fetch_us;
         --per_layer_left[d];
         p.prefetch.push_back({c.layer, c.expert, c.prob, link, deadline, -1, ci, -1});
-        if (--room == 0) break;
+        gains_.push_back((in_time ? c.prob * c.miss_us : 0.0) + c.install_us);
     }
     add_installs(s, p);
+    while (int32_t(p.prefetch.size()) > room) {
+        const auto worst = size_t(std::min_element(gains_.begin(), gains_.end()) - gains_.begin());
+        p.prefetch.erase(p.prefetch.begin() + ptrdiff_t(worst));
+        gains_.erase(gains_.begin() + ptrdiff_t(worst));
+    }
 }
 
 void Scheduler::add_installs(const LayerState &s, LayerPlan &p) {
-    // CPU-run misses worth keeping, copied behind everything else into the layer's slots the plan leaves free,
-    // within the prefetch room; never in a layer that streams (its waves take every slot).
+    // CPU-run misses worth keeping, copied behind everything else into the layer's slots the plan leaves free;
+    // never in a layer that streams (its waves take every slot).
     if (p.decision.n_stream > 0) return;
-    int32_t room = std::min(s.prefetch_room, config_.max_prefetch_in_flight) - int32_t(p.prefetch.size());
     int32_t slots = s.free_slots - p.decision.n_fetch;
     installs_.clear();
     for (size_t i = 0; i < s.routed.size(); ++i) {
@@ -311,9 +320,9 @@ void Scheduler::add_installs(const LayerState &s, LayerPlan &p) {
         return x.install_us != y.install_us ? x.install_us > y.install_us : x.expert < y.expert;
     });
     for (int32_t i : installs_) {
-        if (room <= 0 || slots <= 0) break;
+        if (slots <= 0) break;
         p.prefetch.push_back({s.layer, s.routed[size_t(i)].expert, 1.0, 0, 0, -1, -1, i});
-        --room;
+        gains_.push_back(s.routed[size_t(i)].install_us);
         --slots;
     }
 }

@@ -177,6 +177,7 @@ class Scheduler {
     std::vector<int32_t> cand_order_;  // candidate indices by priority
     std::vector<int32_t> left_;        // [window] scratch: slots left per predicted layer
     std::vector<int32_t> installs_;    // scratch: CPU-run missed experts by install value
+    std::vector<double> gains_;        // scratch: gain of each entry of the plan's prefetch list
     LayerPlan best_, trial_;
 };
 
