@@ -43,7 +43,7 @@ def main(rows_path, gap_path):
             "layer's non-expert time; share = bound time / simulated time.", ""]
     lb = [r for r in rows if "truth" in r["label"]]
     if lb:
-        out += ["## Load balancer (simulated machine 1.5x slower on the CPU, link 1.25x slower than the profile)", "",
+        out += ["## Load balancer (Qwen3 shape, 4 GiB; the simulated machine differs from the profile by `truth`)", "",
                 "| run | decode tok/s | prefill tok/s | CPU experts/token | corrections counted | final cpu / link factor |",
                 "| --- | ---: | ---: | ---: | ---: | --- |"]
         for r in lb:

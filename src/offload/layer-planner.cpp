@@ -218,7 +218,7 @@ void LayerPlanner::plan_prefetch(LayerPlan &plan) {
 }
 
 void LayerPlanner::observe(const LayerMeasurement &m, LayerStats &stats) {
-    balancer_.observe(m, stats);
+    balancer_.observe(m, stats, config_.balance);
     if (config_.balance) cost_.corrections = balancer_.corrections();
 }
 

@@ -18,12 +18,14 @@ bool LoadBalancer::update(double &factor, double work_us, double predicted_us) {
     return std::abs(factor / before - 1.0) > config_.count_change;
 }
 
-void LoadBalancer::observe(const LayerMeasurement &m, LayerStats &stats) {
-    int changed = 0;
-    changed += update(corrections_.cpu, m.cpu_work_us, m.cpu_predicted_us);
-    changed += update(corrections_.gpu, m.gpu_work_us, m.gpu_predicted_us);
-    changed += update(corrections_.link, m.link_work_us, m.link_predicted_us);
-    stats.corrections += uint64_t(changed);
+void LoadBalancer::observe(const LayerMeasurement &m, LayerStats &stats, bool learn) {
+    if (learn) {
+        int changed = 0;
+        changed += update(corrections_.cpu, m.cpu_work_us, m.cpu_predicted_us);
+        changed += update(corrections_.gpu, m.gpu_work_us, m.gpu_predicted_us);
+        changed += update(corrections_.link, m.link_work_us, m.link_predicted_us);
+        stats.corrections += uint64_t(changed);
+    }
     if (m.cpu_end_us >= 0 && m.gpu_end_us >= 0) {
         stats.finish_gap_us += m.cpu_end_us - m.gpu_end_us;
         stats.finish_gap_abs_us += std::abs(m.cpu_end_us - m.gpu_end_us);

@@ -32,9 +32,9 @@ struct LayerMeasurement {
 class LoadBalancer {
   public:
     explicit LoadBalancer(LoadBalancerConfig config = {}) : config_(config) {}
-    /// Folds one layer's measurements into the corrections; adds the finish gap and the corrections made to
-    /// `stats`. The predictions must have been made with the current corrections.
-    void observe(const LayerMeasurement &m, LayerStats &stats);
+    /// Folds one layer's measurements into the corrections (when learn; the predictions must have been made with
+    /// the current corrections); adds the finish gap, and the corrections made, to `stats`.
+    void observe(const LayerMeasurement &m, LayerStats &stats, bool learn = true);
     const CostCorrections &corrections() const { return corrections_; }
     /// Recent expert-part time of a layer (moving average of layer_us), 0 before the first.
     double layer_estimate_us() const { return layer_estimate_us_; }

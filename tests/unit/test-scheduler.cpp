@@ -494,3 +494,11 @@ TEST(LoadBalancer, CorrectionsConvergeToTheMeasuredRatioAndAreCounted) {
     for (int i = 0; i < 100; ++i) lb.observe(wild, st);
     EXPECT_DOUBLE_EQ(lb.corrections().cpu, 4.0);  // bounded
 }
+
+TEST(CostModel, TheCommittedReferenceProfileIsTheBuiltInOne) {
+    // profiles/h200-reference.json is CostProfile::h200_reference() written out, for reading and for --cost-profile;
+    // after changing the reference, rewrite it with the JSON this test prints.
+    const std::string path = std::string(PRESCOPE_SOURCE_DIR) + "/profiles/h200-reference.json";
+    const CostProfile file = CostProfile::load(path);
+    EXPECT_EQ(file.to_json(), CostProfile::h200_reference().to_json()) << CostProfile::h200_reference().to_json().dump(1);
+}

@@ -296,12 +296,12 @@ void run_check(const CheckArgs &a) {
                             out[kind]["zero_gap_share"].get<double>() * 100);
     }
     // The distribution as a histogram of the objective gap (heuristic / optimum - 1).
-    const std::vector<double> edges = {0, 1e-9, 0.001, 0.01, 0.02, 0.05, 0.1, 0.2, 1e9};
+    const std::vector<double> edges = {-1e9, 1e-9, 0.001, 0.01, 0.02, 0.05, 0.1, 0.2, 1e9};  // first: at the optimum
     nlohmann::json hist = nlohmann::json::array();
     for (size_t b = 0; b + 1 < edges.size(); ++b) {
         int64_t n = 0;
         for (const Row &r : rows) n += r.gap >= edges[b] && r.gap < edges[b + 1];
-        hist.push_back({{"from", edges[b]}, {"to", edges[b + 1] >= 1e9 ? -1.0 : edges[b + 1]}, {"states", n}});
+        hist.push_back({{"from", b == 0 ? 0.0 : edges[b]}, {"to", edges[b + 1] >= 1e9 ? -1.0 : edges[b + 1]}, {"states", n}});
     }
     out["histogram"] = hist;
     const Row &worst = *std::max_element(rows.begin(), rows.end(), [](const Row &x, const Row &y) { return x.gap < y.gap; });

@@ -41,5 +41,5 @@ for f in src/backend/cuda/*.cpp src/runtime/gpu-*.cpp src/runtime/engine.cpp tes
     compile "$f"
 done
 g++ -fopenmp -o "$OUT/test-gpu-emu" "${objs[@]}" "$LIB" -lgtest -lfmt -lspdlog -lyaml-cpp -lopenblas -lzstd \
-    -lpcre2-8 -lutf8proc -ldl -lpthread
+    -lpcre2-8 -lutf8proc -lglpk -lnuma -ldl -lpthread
 exec "$OUT/test-gpu-emu" "$@"
