@@ -69,7 +69,8 @@ def main(rows_path, gap_path):
             "| gap from | to | states |", "| ---: | ---: | ---: |"]
     for h in gap["histogram"]:
         out.append(f"| {h['from']:g} | {'inf' if h['to'] < 0 else format(h['to'], 'g')} | {h['states']} |")
-    out += ["", "Command: `" + gap["command"] + "`", ""]
+    out += ["", "Reproduce: `bench/sched/run_sim.sh` (every row of sched-sim.jsonl carries its `prescope simulate` "
+            "command; the layer states are that script's temporary files). Its check: `" + gap["command"] + "`", ""]
     print("\n".join(out))
 
 

@@ -21,7 +21,7 @@ constexpr float kHistoryRate = 0.02f;  // weight of the newest step in the routi
 } // namespace
 
 LayerPlanner::LayerPlanner(const PlacementPlan &placement, const ExpertCache *cache, const CostModel &cost,
-                           const PlannerConfig &config, int32_t top_k, int32_t max_tokens)
+                           const PlannerConfig &config, int32_t top_k)
     : placement_(placement), cache_(cache), cost_(cost), config_(config), top_k_(top_k),
       scheduler_(SchedulerConfig{config.max_prefetch_in_flight}) {
     const int32_t E = placement.n_experts, w = std::max(config_.prefetch_window, 0);
@@ -40,7 +40,6 @@ LayerPlanner::LayerPlanner(const PlacementPlan &placement, const ExpertCache *ca
     reuse_.assign(size_t(placement.n_layers), prior);
     misses_.assign(size_t(placement.n_layers), 0.0f);
     last_routed_.assign(size_t(placement.n_layers) * size_t(E), 0);
-    (void)max_tokens;
     if (!config_.dump_path.empty()) {
         dump_ = std::fopen(config_.dump_path.c_str(), "w");
         if (!dump_) fail("{}: cannot write the layer-state dump: {}", config_.dump_path, std::strerror(errno));

@@ -42,7 +42,7 @@ class LayerPlanner {
   public:
     /// cache may be null: no GPU cache, every expert on the CPU (the all-CPU plan).
     LayerPlanner(const PlacementPlan &placement, const ExpertCache *cache, const CostModel &cost,
-                 const PlannerConfig &config, int32_t top_k, int32_t max_tokens);
+                 const PlannerConfig &config, int32_t top_k);
     ~LayerPlanner();
     LayerPlanner(const LayerPlanner &) = delete;
     LayerPlanner &operator=(const LayerPlanner &) = delete;

@@ -54,7 +54,7 @@ PlanTimes evaluate_plan(const LayerState &s, const LayerDecision &d, bool split,
                         const std::vector<PlannedPrefetch> &prefetch) {
     PRESCOPE_ASSERT(d.experts.size() == s.routed.size());
     const HitWave h = hit_wave(s, &d);
-    double fetch_link = 0, fetch_gpu = 0, cpu = 0, install = 0;  // install: of the FETCH experts
+    double fetch_link = 0, fetch_gpu = 0, cpu = 0;
     bool any_fetch = false, any_cpu = false, any_stream = false;
     for (size_t i = 0; i < s.routed.size(); ++i) {
         const SchedExpert &x = s.routed[i];
@@ -63,7 +63,6 @@ PlanTimes evaluate_plan(const LayerState &s, const LayerDecision &d, bool split,
             any_fetch = true;
             fetch_link += x.fetch_us;
             fetch_gpu += x.gpu_us;
-            install += x.install_us;
             break;
         case ExpertAction::CPU:
             any_cpu = true;
@@ -84,7 +83,6 @@ PlanTimes evaluate_plan(const LayerState &s, const LayerDecision &d, bool split,
         if (a != ExpertAction::FETCH && a != ExpertAction::STREAM) continue;
         if (after++ < std::max(s.wave_slots, 1)) t.residency_us += s.routed[i].install_us;
     }
-    (void)install;
     const double link0 = s.link_free_us + fetch_link;  // the wave-0 copies land
     // Host: blocked until the wave-0 copies are issued, then the predictor, then the CPU experts.
     double block = h.any ? h.arrival_us - s.issue_slack_us : 0.0;

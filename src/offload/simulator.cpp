@@ -215,8 +215,7 @@ SimResult simulate(const RoutingTrace &trace, const ExpertShape &shape, const Co
     pc.residency_horizon = cfg.residency_horizon;
     pc.balance = cfg.balance;
     pc.dump_path = cfg.dump_path;
-    const int64_t max_tokens = std::max<int64_t>(cfg.prefill_tokens, 1);
-    LayerPlanner planner(placement, &cache, planner_cost, pc, k, int32_t(max_tokens));
+    LayerPlanner planner(placement, &cache, planner_cost, pc, k);
 
     const PredictorShape ps{L, E, k};
     const int32_t window = std::max(pc.prefetch_window, 1);

@@ -78,8 +78,7 @@ HybridMoe::HybridMoe(const Model &model, const ExpertStore &store, const Placeme
     const auto E = size_t(hp.n_expert), k = size_t(hp.n_expert_used), pairs = size_t(max_tokens) * k;
     const auto window = size_t(std::max(config_.planner.prefetch_window, 0));
     if (cache_) {
-        planner_ = std::make_unique<LayerPlanner>(placement, cache, cost, config_.planner, int32_t(k),
-                                                  int32_t(max_tokens));
+        planner_ = std::make_unique<LayerPlanner>(placement, cache, cost, config_.planner, int32_t(k));
     }
     plan_.reserve(int32_t(E), int32_t(window * E));
     wave_.reserve(int32_t(E));

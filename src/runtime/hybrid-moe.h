@@ -14,7 +14,6 @@
 #include "offload/predictor.h"
 #include "runtime/moe.h"
 
-#include <array>
 #include <cstdint>
 #include <functional>
 #include <memory>

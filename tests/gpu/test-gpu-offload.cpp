@@ -121,7 +121,9 @@ TEST_P(GpuReference, GreedyTokensIdenticalToTheReferenceAtEveryBudget) {
             << "offloading changed the logits beyond the reference tolerance, cpu_threshold " << threshold;
         const LayerStats s = few.cache().total_stats();
         EXPECT_GT(s.demand_misses + s.cpu_runs, 0u);
-        if (threshold >= 0) EXPECT_GT(few.copy_engine().stats().bytes_done, 0u);
+        if (threshold >= 0) {
+            EXPECT_GT(few.copy_engine().stats().bytes_done, 0u);
+        }
         EXPECT_EQ(s.steps, uint64_t(model->hp().n_layer) * (1 + expected.size()));
     }
     // Every expert on the CPU beside GPU attention.

@@ -29,9 +29,11 @@ namespace prescope::cli {
 namespace {
 
 std::string command_line(const CLI::App *cmd, const char *name) {
-    std::string s = std::string("prescope ") + name;
+    std::string s = fmt::format("prescope {}", name);
     for (const auto &opt : cmd->get_options()) {
-        for (const auto &r : opt->results()) s += opt->get_name().empty() ? " " + r : " " + opt->get_name() + " " + r;
+        for (const auto &r : opt->results()) {
+            s += opt->nonpositional() ? fmt::format(" {} {}", opt->get_name(), r) : fmt::format(" {}", r);
+        }
     }
     return s;
 }
@@ -64,8 +66,9 @@ void run_calibrate(const CalibrateArgs &a) {
                      why.c_str(), a.from.empty() ? "the built-in H200 reference" : a.from.c_str());
     }
     p.source = fmt::format("{}; CPU terms measured; GPU and link terms {}", a.command,
-                           gpu ? "measured" : "not measured (" + why + "), from " +
-                                                  (a.from.empty() ? std::string("the H200 reference") : a.from));
+                           gpu ? std::string("measured")
+                               : fmt::format("not measured ({}), from {}", why,
+                                             a.from.empty() ? std::string("the H200 reference") : a.from));
     p.save(a.output);
     const ExpertShape shape = ExpertShape::of(ExpertLayout::of(*model, 0));
     std::fprintf(stderr, "%s", CostModel(p, shape, threads, uint64_t(4) << 20).describe().c_str());
