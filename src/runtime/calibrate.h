@@ -35,8 +35,9 @@ void calibrate_cpu(CostProfile &profile, const Model &model, int32_t threads, do
 bool calibrate_gpu(CostProfile &profile, const Model &model, int32_t device, std::string *why);
 
 /// The runtime's cost model for `model` under `config`: the profile named by config.cost_profile (or the built-in
-/// H200 reference), its CPU terms measured now (budget_s) unless the profile holds measured ones for this CPU and
-/// the model's expert shape. *notes (optional) gets one line on where each group of terms came from.
+/// H200 reference), its CPU terms measured now (budget_s; once per process, expert shape and thread count) unless
+/// the profile holds measured ones for this CPU and the model's expert shape. *notes (optional) gets one line on
+/// where each group of terms came from.
 CostModel runtime_cost_model(const Model &model, const OffloadConfig &config, int32_t threads, double budget_s,
                              std::string *notes);
 

@@ -132,3 +132,16 @@ TEST(Calibrate, CpuTermsAreMeasuredAndLabelled) {
     const CostModel m(p, shape, 1, 4 << 20);
     EXPECT_DOUBLE_EQ(m.cpu_us(1), t->cpu_us[0].value);
 }
+
+TEST(Calibrate, TheRuntimeMeasuresTheCpuOncePerProcessAndKeepsTheProfilesOtherTerms) {
+    const auto model = Model::load((fs::path(PRESCOPE_SOURCE_DIR) / "tests/data/models/qwen3moe/tiny-q8_0.gguf").string());
+    OffloadConfig c;
+    std::string notes;
+    const CostModel a = runtime_cost_model(*model, c, 1, 0.2, &notes);
+    EXPECT_NE(notes.find("built-in H200 reference"), std::string::npos) << notes;
+    EXPECT_NE(notes.find("CPU terms measured at start-up"), std::string::npos) << notes;
+    const CostModel b = runtime_cost_model(*model, c, 1, 0.2, nullptr);
+    EXPECT_EQ(a.cpu_us(1), b.cpu_us(1));  // the same measurement, not a second one
+    EXPECT_EQ(a.fetch_us(), CostModel(CostProfile::h200_reference(), a.shape(), 1, c.copy.chunk_bytes).fetch_us());
+    EXPECT_NE(a.describe().find("measured"), std::string::npos);
+}
