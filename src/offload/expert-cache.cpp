@@ -13,18 +13,6 @@
 
 namespace prescope {
 
-CacheLayerStats &CacheLayerStats::operator+=(const CacheLayerStats &o) {
-    hits += o.hits;
-    demand_misses += o.demand_misses;
-    cpu_runs += o.cpu_runs;
-    prefetch_hits += o.prefetch_hits;
-    prefetch_loads += o.prefetch_loads;
-    wasted_prefetch_bytes += o.wasted_prefetch_bytes;
-    bytes_loaded += o.bytes_loaded;
-    evictions += o.evictions;
-    stall_us += o.stall_us;
-    return *this;
-}
 
 namespace {
 
@@ -145,7 +133,7 @@ ExpertCache::ExpertCache(const ExpertCacheConfig &config, Backend *backend)
     map_.assign(size_t(L) * size_t(E), -1);
     free_.resize(size_t(L));
     pinned_.resize(size_t(L));
-    stats_.resize(size_t(L));
+    stats_ = LayerStatsTable(layout_.n_slots);
     fixed_count_.assign(size_t(L), 0);
     for (int32_t l = 0; l < L; ++l) {
         int32_t first = layout_.first_slot[size_t(l)], count = layout_.n_slots[size_t(l)];
@@ -206,7 +194,7 @@ int32_t ExpertCache::take_slot(int32_t layer, int32_t incoming, std::span<const 
     if (slot < 0) return -1;
     Slot &s = slots_[size_t(slot)];
     PRESCOPE_ASSERT(s.layer == layer && s.expert >= 0 && s.pins == 0 && !s.fixed);
-    CacheLayerStats &st = stats_[size_t(layer)];
+    LayerStats &st = stats_.at(layer);
     ++st.evictions;
     if (s.prefetched) st.wasted_prefetch_bytes += s.bytes;
     grant->evicted_expert = s.expert;
@@ -233,7 +221,7 @@ void ExpertCache::install(int32_t slot, int32_t layer, int32_t expert, bool pref
 
 SlotGrant ExpertCache::acquire(int32_t layer, int32_t expert) {
     SlotGrant g;
-    CacheLayerStats &st = stats_[size_t(layer)];
+    LayerStats &st = stats_.at(layer);
     int32_t slot = find(layer, expert);
     if (slot >= 0) {
         Slot &s = slots_[size_t(slot)];
@@ -276,16 +264,22 @@ SlotGrant ExpertCache::prefetch(int32_t layer, int32_t expert) {
     int32_t first = layout_.first_slot[size_t(layer)], end = first + layout_.n_slots[size_t(layer)];
     for (int32_t s = first; s < end; ++s) {
         const Slot &x = slots_[size_t(s)];
-        prefetch_mask_[size_t(s)] = evictable_[size_t(s)] && !(x.prefetched && x.round == prefetch_round_);
+        prefetch_mask_[size_t(s)] = evictable_[size_t(s)] && !(x.prefetched && x.round == prefetch_round_) &&
+                                    x.protect_round != prefetch_round_;
     }
     slot = take_slot(layer, expert, prefetch_mask_, &g);
     if (slot < 0) return g;
     install(slot, layer, expert, true);
-    ++stats_[size_t(layer)].prefetch_loads;
-    stats_[size_t(layer)].bytes_loaded += slots_[size_t(slot)].bytes;
+    ++stats_.at(layer).prefetch_loads;
+    stats_.at(layer).bytes_loaded += slots_[size_t(slot)].bytes;
     g.slot = slot;
     g.load = true;
     return g;
+}
+
+void ExpertCache::protect(int32_t layer, int32_t expert) {
+    const int32_t slot = find(layer, expert);
+    if (slot >= 0) slots_[size_t(slot)].protect_round = prefetch_round_;
 }
 
 SlotGrant ExpertCache::fix(int32_t layer, int32_t expert) {
@@ -319,14 +313,6 @@ void ExpertCache::release_layer(int32_t layer) {
     pinned_[size_t(layer)].clear();
 }
 
-CacheLayerStats ExpertCache::total_stats() const {
-    CacheLayerStats t;
-    for (const CacheLayerStats &s : stats_) t += s;
-    return t;
-}
-
-void ExpertCache::reset_stats() { std::fill(stats_.begin(), stats_.end(), CacheLayerStats{}); }
-
 std::string ExpertCache::describe() const {
     int32_t lo = layout_.n_layers ? *std::min_element(layout_.n_slots.begin(), layout_.n_slots.end()) : 0;
     int32_t hi = layout_.n_layers ? *std::max_element(layout_.n_slots.begin(), layout_.n_slots.end()) : 0;
@@ -339,53 +325,14 @@ std::string ExpertCache::describe() const {
                        layout_.n_experts, eviction_policy_name(config_.policy), format_byte_size(pool_bytes_));
 }
 
-std::string ExpertCache::stats_table() const {
-    std::string out = fmt::format("{:>5} {:>5} {:>10} {:>10} {:>10} {:>10} {:>10} {:>12} {:>12} {:>10} {:>7}\n",
-                                  "layer", "slots", "hits", "d.misses", "cpu", "pf.hits", "pf.loads",
-                                  "wasted MiB", "loaded MiB", "stall ms", "hit %");
-    auto row = [&](const std::string &name, int32_t slots, const CacheLayerStats &s) {
-        out += fmt::format("{:>5} {:>5} {:>10} {:>10} {:>10} {:>10} {:>10} {:>12.1f} {:>12.1f} {:>10.2f} {:>7.1f}\n",
-                           name, slots, s.hits, s.demand_misses, s.cpu_runs, s.prefetch_hits, s.prefetch_loads,
-                           double(s.wasted_prefetch_bytes) / 0x1p20, double(s.bytes_loaded) / 0x1p20,
-                           s.stall_us * 1e-3, 100.0 * s.hit_rate());
-    };
-    for (int32_t l = 0; l < layout_.n_layers; ++l) {
-        row(std::to_string(l), layout_.n_slots[size_t(l)], stats_[size_t(l)]);
-    }
-    row("all", n_slots(), total_stats());
-    return out;
-}
-
-namespace {
-nlohmann::json to_json(const CacheLayerStats &s) {
-    return {{"hits", s.hits},
-            {"demand_misses", s.demand_misses},
-            {"cpu_runs", s.cpu_runs},
-            {"prefetch_hits", s.prefetch_hits},
-            {"prefetch_loads", s.prefetch_loads},
-            {"wasted_prefetch_bytes", s.wasted_prefetch_bytes},
-            {"bytes_loaded", s.bytes_loaded},
-            {"evictions", s.evictions},
-            {"stall_us", s.stall_us},
-            {"hit_rate", s.hit_rate()}};
-}
-} // namespace
-
 nlohmann::json ExpertCache::stats_json() const {
-    nlohmann::json layers = nlohmann::json::array();
-    for (int32_t l = 0; l < layout_.n_layers; ++l) {
-        nlohmann::json j = to_json(stats_[size_t(l)]);
-        j["layer"] = l;
-        j["slots"] = layout_.n_slots[size_t(l)];
-        j["slot_bytes"] = layer_slot_bytes_[size_t(l)];
-        layers.push_back(std::move(j));
-    }
-    return {{"policy", eviction_policy_name(config_.policy)},
-            {"slot_bytes", slot_bytes_},
-            {"pool_bytes", pool_bytes_},
-            {"budget_bytes", config_.budget_bytes},
-            {"layers", std::move(layers)},
-            {"total", to_json(total_stats())}};
+    nlohmann::json j = stats_.json();
+    for (auto &row : j["layers"]) row["slot_bytes"] = layer_slot_bytes_[row["layer"].get<size_t>()];
+    j["policy"] = eviction_policy_name(config_.policy);
+    j["slot_bytes"] = slot_bytes_;
+    j["pool_bytes"] = pool_bytes_;
+    j["budget_bytes"] = config_.budget_bytes;
+    return j;
 }
 
 } // namespace prescope

@@ -119,16 +119,20 @@ TEST_P(GpuReference, GreedyTokensIdenticalToTheReferenceAtEveryBudget) {
     GpuContext all(*model, {n_ctx, 512}, offload(*model, model->hp().n_expert));
     const Greedy a = greedy(all, prompt, expected.size(), n_vocab);
     EXPECT_EQ(a.tokens, expected) << GetParam();
-    // A layer's top-k only: misses fetched on demand (threshold 0) or run on the CPU (threshold 2).
-    for (int32_t threshold : {0, 2}) {
+    // A layer's top-k only: misses fetched on demand (threshold 0), run on the CPU (threshold 2), or as the
+    // cost-model scheduler splits them (-1: split FETCH waves, installs, planned prefetches).
+    for (int32_t threshold : {0, 2, -1}) {
         GpuContext few(*model, {n_ctx, 512}, offload(*model, k, threshold));
         const Greedy b = greedy(few, prompt, expected.size(), n_vocab);
         EXPECT_EQ(b.tokens, expected) << GetParam() << " cpu_threshold " << threshold;
         EXPECT_LE(max_abs_diff(a.logits, b.logits), ref["tolerance"]["max_abs_logit_error"].get<double>())
             << "offloading changed the logits beyond the reference tolerance, cpu_threshold " << threshold;
-        const CacheLayerStats s = few.cache().total_stats();
+        const LayerStats s = few.cache().total_stats();
         EXPECT_GT(s.demand_misses + s.cpu_runs, 0u);
-        EXPECT_GT(few.copy_engine().stats().bytes_done, 0u);
+        if (threshold >= 0) {
+            EXPECT_GT(few.copy_engine().stats().bytes_done, 0u);
+        }
+        EXPECT_EQ(s.steps, uint64_t(model->hp().n_layer) * (1 + expected.size()));
     }
     // Every expert on the CPU beside GPU attention.
     GpuContext none(*model, {n_ctx, 512}, offload(*model, 0, 0, "none"));
@@ -150,7 +154,7 @@ TEST(GpuOffload, DecodeWithFewSlotsEqualsAllResidentBitForBit) {
     const Greedy b = greedy(few, prompt, 40, model->hp().n_vocab);
     EXPECT_EQ(a.tokens, b.tokens);
     EXPECT_EQ(max_abs_diff(a.logits, b.logits), 0.0);
-    const CacheLayerStats s = few.cache().total_stats();
+    const LayerStats s = few.cache().total_stats();
     EXPECT_EQ(s.cpu_runs, 0u);
     EXPECT_GT(s.hits, 0u);
     EXPECT_GT(s.demand_misses, 0u);

@@ -66,7 +66,7 @@ TEST(ExpertCache, CapacityEqualToExpertCountEvictsNothing) {
             seen.insert({layer, a});
             seen.insert({layer, b});
         }
-        CacheLayerStats s = cache.total_stats();
+        LayerStats s = cache.total_stats();
         EXPECT_EQ(s.evictions, 0u) << eviction_policy_name(policy);
         EXPECT_EQ(s.demand_misses, seen.size()) << eviction_policy_name(policy);
     }
@@ -285,7 +285,7 @@ TEST(ExpertCache, CountersAddUp) {
             cache.begin_prefetch_round();
             cache.prefetch(int32_t(rng() % 3), int32_t(rng() % 16));
         }
-        CacheLayerStats s = cache.total_stats();
+        LayerStats s = cache.total_stats();
         const char *name = eviction_policy_name(policy);
         EXPECT_EQ(s.accesses(), routed) << name;
         EXPECT_EQ(s.bytes_loaded, (s.demand_misses + s.prefetch_loads) * kExpertBytes) << name;
@@ -296,7 +296,7 @@ TEST(ExpertCache, CountersAddUp) {
             for (int32_t e = 0; e < 16; ++e) resident += cache.find(l, e) >= 0;
         }
         EXPECT_EQ(s.evictions, s.demand_misses + s.prefetch_loads - uint64_t(resident)) << name;
-        CacheLayerStats sum;
+        LayerStats sum;
         for (int32_t l = 0; l < 3; ++l) sum += cache.stats(l);
         EXPECT_EQ(sum.hits, s.hits);
     }

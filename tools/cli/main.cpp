@@ -1,5 +1,5 @@
 // prescope: command line entry point. Subcommands: generate, perplexity, inspect, bench, trace,
-// train-predictor, eval-predictor.
+// train-predictor, eval-predictor, calibrate, simulate, schedule-check.
 // Bad input ends with one "error: ..." line on stderr and exit code 1.
 #include "cli.h"
 
@@ -22,6 +22,9 @@ int main(int argc, char **argv) {
     prescope::cli::register_trace(app);
     prescope::cli::register_train_predictor(app);
     prescope::cli::register_eval_predictor(app);
+    prescope::cli::register_calibrate(app);
+    prescope::cli::register_simulate(app);
+    prescope::cli::register_schedule_check(app);
     try {
         app.parse(argc, argv);
     } catch (const CLI::ParseError &e) {
