@@ -9,6 +9,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cassert>
 #include <cstddef>
 #include <cstdint>
 #include <type_traits>
@@ -275,6 +276,8 @@ __device__ __forceinline__ void cp_async_16(void *smem, const void *gmem) {
     const unsigned saddr = unsigned(__cvta_generic_to_shared(smem));
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(saddr), "l"(gmem) : "memory");
 #else
+    // cp.async faults on a misaligned address: so does this (the CPU emulator of tests/ops/emu included).
+    assert(reinterpret_cast<uintptr_t>(smem) % 16 == 0 && reinterpret_cast<uintptr_t>(gmem) % 16 == 0);
     *static_cast<uint4 *>(smem) = *static_cast<const uint4 *>(gmem);
 #endif
 }

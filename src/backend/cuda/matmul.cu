@@ -36,8 +36,10 @@ template <DType T> constexpr int kLaneChunks = T == DType::F32 ? 2 : 4;
 template <DType T> constexpr int kSliceChunks = kWarp * kLaneChunks<T>;
 template <DType T> constexpr int kSliceBytes = int(row_bytes(T, int64_t(kSliceChunks<T>) * kChunk));
 // A row's slice may start anywhere in its first 16 bytes of shared memory (the copy keeps the source's
-// alignment), hence 16 bytes of slack.
-template <DType T> constexpr int kRowStride = kSliceBytes<T> + 16;
+// alignment), hence 16 bytes of slack; the stride is a multiple of 16 because cp.async writes 16-byte
+// aligned pieces (a Q3_K or Q6_K slice, 440 or 840 bytes, is not).
+template <DType T> constexpr int kRowStride = (kSliceBytes<T> + 15) / 16 * 16 + 16;
+static_assert(kRowStride<DType::Q3_K> % 16 == 0 && kRowStride<DType::Q6_K> % 16 == 0);
 template <DType T> constexpr int kStageBytes = kMmvRows * kRowStride<T>;
 template <DType T> constexpr int kMmvSmemBytes = 2 * kStageBytes<T>;
 static_assert(kMmvSmemBytes<DType::F32> <= 48 * 1024 && kMmvSmemBytes<DType::BF16> <= 48 * 1024 &&
