@@ -60,8 +60,20 @@ def match_ncmoe(peak_mib: float, shape: str = "qwen3-30b-a3b") -> int:
     return max(0, min(n_layer, n_layer - layers_on_gpu))
 
 
-def report(out_dir: Path, command: str, shape: str = "qwen3-30b-a3b", routing_kind: str = "") -> list[dict]:
-    """One row per budget (module docstring); routing_kind labels the replayed routing ("balanced", "skewed")."""
+def run_facts(out_dir: Path) -> tuple[str, str]:
+    """(shape, routing kind) from the run.txt bench_offload.sh writes ("SHAPE KIND TRACE"), or ("", "")."""
+    f = out_dir / "run.txt"
+    parts = f.read_text().split() if f.exists() else []
+    return (parts[0], parts[1]) if len(parts) >= 2 else ("", "")
+
+
+def report(out_dir: Path, command: str, shape: str = "", routing_kind: str = "",
+           peer_text: str = "llama.cpp (llama-bench)") -> list[dict]:
+    """One row per budget (module docstring); routing_kind labels the replayed routing ("balanced", "skewed").
+    shape and routing_kind default to what the run recorded in run.txt (shape: qwen3-30b-a3b without one)."""
+    recorded_shape, recorded_kind = run_facts(out_dir)
+    shape = shape or recorded_shape or "qwen3-30b-a3b"
+    routing_kind = routing_kind or recorded_kind
     pairs = {}
     if (out_dir / "pairs.txt").exists():
         for line in (out_dir / "pairs.txt").read_text().split("\n"):
@@ -96,7 +108,7 @@ def report(out_dir: Path, command: str, shape: str = "qwen3-30b-a3b", routing_ki
         if n is not None:
             peer = by_test(read_jsonl(out_dir / f"llama-{n}.jsonl"))
             pmem = out_dir / f"gpu-mem-llama-{n}.txt"
-            row.update(peer="llama.cpp d32676d77 (llama-bench, CUDA sm_90, FA kernels not built)",
+            row.update(peer=peer_text,
                        peer_args=f"-ngl 99 --n-cpu-moe {n} -t {tg.get('threads')} -p 512 -n 128 -r 1",
                        peer_gpu_mem_gib=float(pmem.read_text()) / 1024 if pmem.exists() and pmem.read_text().strip() else None)
             if "tg" in peer:
@@ -118,7 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("out_dir", nargs="?", type=Path)
     ap.add_argument("--brief", type=Path)
     ap.add_argument("--match-ncmoe", type=float)
-    ap.add_argument("--shape", choices=sorted(LLAMA_MEMORY), default="qwen3-30b-a3b")
+    ap.add_argument("--shape", choices=sorted(LLAMA_MEMORY), default="",
+                    help="model shape (default: the run's run.txt, else qwen3-30b-a3b)")
+    ap.add_argument("--peer", default="llama.cpp (llama-bench)", help="the peer's name and build, for the rows")
     ap.add_argument("--routing-kind", default="", help='label of the replayed routing: "balanced" or "skewed"')
     ap.add_argument("--json-out", type=Path)
     ap.add_argument("--command", default="scripts/device/bench_offload.sh (see bench/offload/README.md)")
@@ -127,9 +141,9 @@ def main(argv: list[str] | None = None) -> int:
         print(brief(a.brief))
         return 0
     if a.match_ncmoe is not None:
-        print(match_ncmoe(a.match_ncmoe, a.shape))
+        print(match_ncmoe(a.match_ncmoe, a.shape or "qwen3-30b-a3b"))
         return 0
-    rows = report(a.out_dir, a.command, a.shape, a.routing_kind)
+    rows = report(a.out_dir, a.command, a.shape, a.routing_kind, a.peer)
     print("| budget | GPU mem ours / peer | decode tok/s ours / llama.cpp | ratio | prefill tok/s ours / llama.cpp | ratio "
           "| hit rate | PCIe GB/s | PCIe MiB/token | share of PCIe bound |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")

@@ -319,6 +319,11 @@ def trace_stats(trace, seed=0):
 
 # ---------------------------------------------------------------- pictures
 
+# What each model's routing stands for in benchmarks (issue 9): the balanced models are the headline; the first topo
+# (transformers' pooled balancing loss, decision 0090) and demo are kept only as labelled skewed cases.
+ROUTING_KIND = {"topo-b": "balanced (headline)", "topo-mixtral": "balanced (headline)",
+                "topo": "skewed (first topo, pooled loss)", "demo": "skewed (demo)"}
+
 DPI = 80   # keeps every PNG well under 200 KB (decision 0002: repository size)
 
 
@@ -602,12 +607,12 @@ def write_report(path, stats, real, files, img_rel, command):
              "`../shared/realdata/moe-routing-stats/`: layers 0/7/15 only, 5 text domains of 208,896 tokens each, "
              "counts only (no token order, so no temporal reuse or replayed LRU for them).\n")
     L.append("## Traces\n")
-    L.append("| trace | model | tokens | layers | experts | top-k | tokens by source |")
-    L.append("|---|---|---|---|---|---|---|")
+    L.append("| trace | model | routing | tokens | layers | experts | top-k | tokens by source |")
+    L.append("|---|---|---|---|---|---|---|---|")
     for name, st in stats.items():
         src = ", ".join(f"{k} {v}" for k, v in st["tokens_by_source"].items())
-        L.append(f"| {name} | {st['model']} | {st['n_tokens']} | {st['n_layer']} | {st['n_expert']} | "
-                 f"{st['top_k']} | {src} |")
+        L.append(f"| {name} | {st['model']} | {ROUTING_KIND.get(st['model'], 'unlabelled')} | {st['n_tokens']} | "
+                 f"{st['n_layer']} | {st['n_expert']} | {st['top_k']} | {src} |")
     L.append("\n## Realism targets (issue 9)\n")
     L.append("Per trace: median over layers (min-max) and the number of layers that meet the target. OLMoE and "
              "Mixtral columns come from their aggregated counts; the last column is the real Mixtral-8x7B-Instruct "
