@@ -8,12 +8,14 @@ import sys
 def main(rows_path, gap_path):
     rows = [json.loads(line) for line in open(rows_path) if line.strip()]
     gap = json.load(open(gap_path))
+    routing = ", ".join(sorted({r["label"] for r in rows if "truth" not in r["label"]}))
     out = ["# PreSched, simulated (not measured)", "",
            "Every number below comes from `prescope simulate` (offload/simulator.h) with the cost profile named in "
            "each row (by default the built-in H200 reference derived from ../shared/design/reference-numbers.md); "
-           "nothing ran on a GPU. Routing: the committed traces, **skewed** (topo); the Mixtral rows fold them to "
-           "8 experts top-2 (tools/data/fold_trace.py). Prefill: one batch of 512 trace tokens on a cold cache; "
-           "decode: the next 128 tokens; predictor recency, window 1, LRU, 16 CPU threads.", "",
+           "nothing ran on a GPU. Routing: the traces named in the first column (" + routing + "); without a "
+           "Mixtral-shaped trace the Mixtral rows fold a 128-expert one to 8 experts top-2 (tools/data/fold_trace.py). "
+           "Prefill: one batch of 512 trace tokens on a cold cache; decode: the next 128 tokens; predictor recency, "
+           "window 1, LRU, 16 CPU threads; the load balancer off except in its own table.", "",
            "| routing | shape | budget | rule | decode tok/s | x fetch-all | x best threshold | prefill tok/s | "
            "x fetch-all | hit rate | PCIe MB/token | CPU experts/token | bound tok/s | share of bound |",
            "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]

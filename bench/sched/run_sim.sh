@@ -2,20 +2,22 @@
 # Simulated comparison of the cost-model scheduler against the threshold rule (offload/simulator.h), and the
 # ILP check of the scheduler on the layer states those runs dump. CPU only; every number is simulated from the
 # cost profile (default: the built-in H200 reference), none is measured.
-#   bench/sched/run_sim.sh [TRACE ...]      (default: traces/topo-test.pstrace)
-# Each trace runs on the Qwen3-30B-A3B expert shape as it is, and on the Mixtral-8x7B shape folded to 32 layers,
-# 8 experts, top-2 (tools/data/fold_trace.py) when it has more experts than that.
+#   bench/sched/run_sim.sh [TRACE ...]      (default: the balanced traces/topo-b-test.pstrace, topo-mixtral-test.pstrace)
+# A 128-expert trace runs on the Qwen3-30B-A3B expert shape, an 8-expert one on the Mixtral-8x7B shape; without an
+# 8-expert trace among the arguments, the first kind is also folded to 32 layers, 8 experts, top-2
+# (tools/data/fold_trace.py). The main runs have the load balancer off, as the runtime's default (decision 0087);
+# the balancer runs turn it on.
 # Environment: OUT (default bench/results), PRESCOPE (default build/bin/prescope), PROFILE (a cost profile),
-# ROUTING (label of the traces' routing, default "skewed"), CHECK_EVERY (schedule-check takes every n-th state).
+# ROUTING (label of the traces' routing, default "balanced"), CHECK_EVERY (schedule-check takes every n-th state).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-bench/results}
 PRESCOPE=${PRESCOPE:-build/bin/prescope}
 PY=${PY:-.venv/bin/python3}
-ROUTING=${ROUTING:-skewed}
+ROUTING=${ROUTING:-balanced}
 CHECK_EVERY=${CHECK_EVERY:-1}
 TRACES=("$@")
-[ ${#TRACES[@]} -gt 0 ] || TRACES=(traces/topo-test.pstrace)
+[ ${#TRACES[@]} -gt 0 ] || TRACES=(traces/topo-b-test.pstrace traces/topo-mixtral-test.pstrace)
 PROFILE_ARGS=()
 [ -n "${PROFILE:-}" ] && PROFILE_ARGS=(--profile "$PROFILE")
 TMP=$(mktemp -d)
@@ -24,13 +26,21 @@ mkdir -p "$OUT"
 rows=$OUT/sched-sim.jsonl
 : > "$rows"
 states=()
+n_expert_of() { $PY -c "import sys; sys.path.insert(0, 'tools/data'); import pstrace; print(pstrace.read_trace('$1').n_expert)"; }
+HAVE_MIXTRAL_TRACE=0
+for trace in "${TRACES[@]}"; do [ "$(n_expert_of "$trace")" -le 8 ] && HAVE_MIXTRAL_TRACE=1; done
 for trace in "${TRACES[@]}"; do
     name=$(basename "$trace" .pstrace)
-    runs=("$trace|qwen3-30b-a3b|4GiB 8GiB 12GiB 24GiB")
-    n_expert=$($PY -c "import sys; sys.path.insert(0, 'tools/data'); import pstrace; print(pstrace.read_trace('$trace').n_expert)")
-    if [ "$n_expert" -gt 8 ]; then
-        $PY tools/data/fold_trace.py "$trace" "$TMP/$name-mixtral.pstrace" --n-expert 8 --top-k 2 --n-layer 32 >&2
-        runs+=("$TMP/$name-mixtral.pstrace|mixtral-8x7b|12GiB 24GiB 36GiB")
+    n_expert=$(n_expert_of "$trace")
+    if [ "$n_expert" -le 8 ]; then
+        runs=("$trace|mixtral-8x7b|12GiB 24GiB 36GiB")
+    else
+        runs=("$trace|qwen3-30b-a3b|4GiB 8GiB 12GiB 24GiB")
+        # No Mixtral-shaped trace among the arguments: fold this one onto the Mixtral shape.
+        if [ "$HAVE_MIXTRAL_TRACE" = 0 ]; then
+            $PY tools/data/fold_trace.py "$trace" "$TMP/$name-mixtral.pstrace" --n-expert 8 --top-k 2 --n-layer 32 >&2
+            runs+=("$TMP/$name-mixtral.pstrace|mixtral-8x7b|12GiB 24GiB 36GiB")
+        fi
     fi
     for run in "${runs[@]}"; do
         IFS='|' read -r t shape budgets <<< "$run"
@@ -43,7 +53,7 @@ for trace in "${TRACES[@]}"; do
                     states+=("$st")
                 fi
                 "$PRESCOPE" simulate --trace "$t" --shape "$shape" --budget "$b" --cpu-threshold "$rule" \
-                    --predictor recency --prefetch-window 1 -p 512 -n 128 "${PROFILE_ARGS[@]}" "${dump[@]}" \
+                    --predictor recency --prefetch-window 1 -p 512 -n 128 --no-balance "${PROFILE_ARGS[@]}" "${dump[@]}" \
                     --label "$ROUTING ($name)" 2>/dev/null >> "$rows"
             done
         done

@@ -369,6 +369,7 @@ IlpResult solve_layer_ilp(const LayerState &s, const IlpOptions &o) {
     const int status = glp_mip_status(p.lp());
     res.feasible = status == GLP_OPT || status == GLP_FEAS;
     res.optimal = status == GLP_OPT && ret == 0;
+    res.timed_out = ret == GLP_ETMLIM;
     res.status = status == GLP_OPT   ? "optimal"
                  : status == GLP_FEAS ? (ret == GLP_ETMLIM ? "time limit (feasible)" : "feasible")
                  : status == GLP_NOFEAS ? "infeasible"

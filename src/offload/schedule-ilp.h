@@ -17,6 +17,7 @@ struct IlpOptions {
 struct IlpResult {
     bool feasible = false;  // a solution was found (optimal or at the time limit)
     bool optimal = false;   // proven optimal
+    bool timed_out = false; // the time limit ended the search (with or without a solution)
     double objective_us = 0;  // the ILP's objective (critical path + expected stall)
     LayerPlan plan;           // the solution as a plan; plan.predicted = evaluate_plan of it
     int32_t n_binaries = 0, n_rows = 0;

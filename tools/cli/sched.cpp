@@ -198,7 +198,7 @@ void run_check(const CheckArgs &a) {
         bool decode;
         bool choice;  // a routed expert is missing (CPU or GPU to decide) or a prefetch candidate exists
         double heuristic, optimum, heuristic_critical, optimum_critical, gap;
-        bool proven;
+        bool proven, no_incumbent;
         int32_t binaries;
         std::string where;
     };
@@ -233,7 +233,9 @@ void run_check(const CheckArgs &a) {
             o.time_limit_ms = a.time_limit_ms;
             const IlpResult r = solve_layer_ilp(s, o);
             ilp_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-            if (!r.feasible) fail("{}: the ILP found no solution ({})", where, r.status);
+            // No incumbent within the time limit (a large prefill state on a busy machine): the heuristic's plan,
+            // which is feasible, is the best known; counted apart so the summary says how often this happened.
+            if (!r.feasible && !r.timed_out) fail("{}: the ILP found no solution ({})", where, r.status);
             Row row;
             row.decode = s.n_tokens == 1;
             row.choice = !s.candidates.empty() || std::any_of(s.routed.begin(), s.routed.end(), [](const SchedExpert &x) {
@@ -248,11 +250,13 @@ void run_check(const CheckArgs &a) {
                 fail("{}: the ILP's objective {:.6f} differs from its plan's evaluation {:.6f} (a modelling error)", where,
                      r.objective_us, r.plan.predicted.objective());
             }
-            row.optimum = r.optimal ? r.objective_us : std::min(r.plan.predicted.objective(), row.heuristic);
+            row.no_incumbent = !r.feasible;
+            const LayerPlan &best = r.feasible ? r.plan : plan;
+            row.optimum = r.optimal ? r.objective_us : std::min(best.predicted.objective(), row.heuristic);
             row.heuristic_critical = plan.predicted.critical_us;
-            row.optimum_critical = r.plan.predicted.critical_us;
+            row.optimum_critical = best.predicted.critical_us;
             // Relative to the layer's critical path: the objective subtracts residency credit and can be near 0.
-            row.gap = (row.heuristic - row.optimum) / std::max(r.plan.predicted.critical_us, 1.0);
+            row.gap = (row.heuristic - row.optimum) / std::max(best.predicted.critical_us, 1.0);
             row.proven = r.optimal;
             row.binaries = r.n_binaries;
             row.where = where;
@@ -267,7 +271,7 @@ void run_check(const CheckArgs &a) {
     std::string text;
     for (const char *kind : {"all", "with a choice", "decode", "prefill"}) {
         std::vector<double> gaps, crit;
-        int64_t within = 0, proven = 0;
+        int64_t within = 0, proven = 0, no_incumbent = 0;
         for (const Row &r : rows) {
             const std::string k = kind;
             if ((k == "decode" && !r.decode) || (k == "prefill" && r.decode) || (k == "with a choice" && !r.choice)) continue;
@@ -275,11 +279,13 @@ void run_check(const CheckArgs &a) {
             crit.push_back(r.optimum_critical > 0 ? (r.heuristic_critical - r.optimum_critical) / r.optimum_critical : 0);
             within += r.gap <= a.target + 1e-12;
             proven += r.proven;
+            no_incumbent += r.no_incumbent;
         }
         if (gaps.empty()) continue;
         const double share = double(within) / double(gaps.size());
         out[kind] = {{"states", gaps.size()},
                      {"proven_optimal", proven},
+                     {"no_incumbent_at_time_limit", no_incumbent},
                      {"within_target", within},
                      {"share_within_target", share},
                      {"gap_p50", percentile(gaps, 0.5)},
@@ -292,9 +298,9 @@ void run_check(const CheckArgs &a) {
                                             double(gaps.size())},
                      {"critical_path_diff_p50", percentile(crit, 0.5)},
                      {"critical_path_diff_p95", percentile(crit, 0.95)}};
-        text += fmt::format("{:>13}: {} states ({} proven optimal): within {:.0f}% of the optimum {:.1f}% | gap p50 {:.4f} "
+        text += fmt::format("{:>13}: {} states ({} proven optimal, {} without an ILP solution in time): within {:.0f}% of the optimum {:.1f}% | gap p50 {:.4f} "
                             "p95 {:.4f} p99 {:.4f} max {:.4f} | exact {:.1f}%\n",
-                            kind, gaps.size(), proven, a.target * 100, share * 100, percentile(gaps, 0.5),
+                            kind, gaps.size(), proven, no_incumbent, a.target * 100, share * 100, percentile(gaps, 0.5),
                             percentile(gaps, 0.95), percentile(gaps, 0.99), out[kind]["gap_max"].get<double>(),
                             out[kind]["zero_gap_share"].get<double>() * 100);
     }
