@@ -4,6 +4,7 @@
 # recall-by-layer plot.
 #   bench/predictor/run_topo.sh            # B=build/bin/prescope, work files in /tmp/prescope-predictors[-MODEL]
 #   MODEL=topo-b bench/predictor/run_topo.sh          # the balanced traces of issue 9 (also MODEL=topo-mixtral)
+#   QUICK=1 MODEL=topo-b bench/predictor/run_topo.sh  # without the ablations (see QUICK below)
 # Needs traces/MODEL-test.pstrace, traces/MODEL-prompts.pstrace, traces/MODEL-routers.safetensors and the
 # uncommitted sidecar traces/MODEL-test.hidden.zst (HIDDEN=... to point elsewhere). MODEL=topo (the default) is the
 # first, skewed topo model. A predictor file already in the work folder is reused (delete it to retrain). About 20
@@ -23,6 +24,9 @@ H=3          # held out: sequences 2, 5, 8, ... (--holdout-every 3); the sidecar
 # hot-expert table replay, LRU: 32 of 128 experts per layer (25%); half of Mixtral's 8 (a quarter would be its top-2)
 case $MODEL in *mixtral*) SLOTS=${SLOTS:-4} ;; *) SLOTS=${SLOTS:-32} ;; esac
 RESULTS=bench/results/predictors$SUFFIX.json
+# QUICK=1: the main predictors only (LSTM, MLP, MLP-prior, prior alone and the baselines), without the ablations
+# (one group, other losses, other drifts), for a 2-core machine; the results file says which ran.
+QUICK=${QUICK:-0}
 mkdir -p "$W"
 
 # train NAME ARGS...: trains $W/NAME.pred on the train split unless it exists (every 10th training sequence, or
@@ -30,6 +34,9 @@ mkdir -p "$W"
 train() {
     local name=$1
     shift
+    if [ "$QUICK" = 1 ] && [[ $name == *1group || $name == mlp-negloss || $name == prior-current || $name == prior-fate-mlp ]]; then
+        return 0
+    fi
     [ -f "$W/$name.pred" ] || $B train-predictor --trace $T --holdout-every $H -t 1 "$@" --out "$W/$name.pred"
 }
 train lstm --kind llapor-lstm --epochs 3
@@ -56,6 +63,7 @@ for p in none frequency recency oracle fate lstm lstm-1group mlp mlp-1group mlp-
         prior-alone prior-current prior-fate-mlp; do
     spec=$p
     [ -f "$W/$p.pred" ] && spec=$W/$p.pred
+    case $p in none | frequency | recency | oracle | fate) ;; *) [ -f "$W/$p.pred" ] || continue ;; esac
     label=()
     [ $p = mlp-negloss ] && label=(--label llapor-mlp-negloss)
     $B eval-predictor --trace $T --hidden $HIDDEN --routers $R --holdout-every $H --predictor $spec \
@@ -66,10 +74,12 @@ GS=$(python3 -c "import json; g=json.load(open('$W/hidden-lstm.json'))['group_st
 for p in frequency oracle lstm lstm-1group; do
     spec=$p
     [ -f "$W/$p.pred" ] && spec=$W/$p.pred
+    case $p in frequency | oracle) ;; *) [ -f "$W/$p.pred" ] || continue ;; esac
     $B eval-predictor --trace $T --holdout-every $H --predictor $spec --cache-slots $SLOTS --json $W/test-$p.json
     $B eval-predictor --trace $P --split all --groups $GS --predictor $spec --cache-slots $SLOTS \
         --json $W/prompts-$p.json
 done
 PLOT=frequency,recency,fate,llapor-lstm,llapor-mlp,llapor-mlp-negloss,llapor-mlp-prior,llapor-mlp-prior-drift-none,oracle
+[ "$QUICK" = 1 ] && PLOT=frequency,recency,fate,llapor-lstm,llapor-mlp,llapor-mlp-prior,oracle
 python3 bench/predictor/collect_results.py $RESULTS ${RESULTS%.json}-recall-by-layer.png \
     --plot-predictors $PLOT $W/hidden-*.json $W/test-*.json $W/prompts-*.json $(ls $DEMO/eval-*.json 2>/dev/null || true)
