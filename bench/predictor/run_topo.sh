@@ -81,5 +81,5 @@ for p in frequency oracle lstm lstm-1group; do
 done
 PLOT=frequency,recency,fate,llapor-lstm,llapor-mlp,llapor-mlp-negloss,llapor-mlp-prior,llapor-mlp-prior-drift-none,oracle
 [ "$QUICK" = 1 ] && PLOT=frequency,recency,fate,llapor-lstm,llapor-mlp,llapor-mlp-prior,oracle
-python3 bench/predictor/collect_results.py $RESULTS ${RESULTS%.json}-recall-by-layer.png \
+"${PY:-.venv/bin/python3}" bench/predictor/collect_results.py $RESULTS ${RESULTS%.json}-recall-by-layer.png \
     --plot-predictors $PLOT $W/hidden-*.json $W/test-*.json $W/prompts-*.json $(ls $DEMO/eval-*.json 2>/dev/null || true)
