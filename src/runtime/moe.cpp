@@ -2,6 +2,7 @@
 #include "runtime/moe.h"
 
 #include "core/error.h"
+#include "core/memory.h"
 
 #include <algorithm>
 
@@ -41,6 +42,8 @@ CpuExpertExecutor::CpuExpertExecutor(const Model &model, int64_t max_tokens)
     : model_(model), max_tokens_(max_tokens) {
     const HParams &hp = model.hp();
     const size_t pairs = size_t(max_tokens * hp.n_expert_used);
+    check_host_memory(pairs * (2 * sizeof(int32_t) + 2 * sizeof(float) * size_t(hp.n_embd + hp.n_ff_exp)),
+                      fmt::format("the CPU expert buffers for {} tokens per batch (-b)", max_tokens));
     count_.resize(size_t(hp.n_expert));
     offset_.resize(size_t(hp.n_expert) + 1);
     fill_.resize(size_t(hp.n_expert));
