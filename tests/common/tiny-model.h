@@ -15,6 +15,8 @@ struct TinyModelSpec {
     /// Called for every tensor before it is written: may rename it (empty name drops it), change its
     /// shape or its ggml type id (the data are resized to match).
     std::function<void(std::string &name, std::vector<uint64_t> &ne, uint32_t &type)> edit;
+    /// Tensors written after the model's own (F32, random), e.g. ones the architecture does not use.
+    std::vector<std::pair<std::string, std::vector<uint64_t>>> extra;
 };
 
 /// Writes the model to `path`; weights ~ N(0, 0.5), norms 1. Vocabulary: byte-level BPE over the
@@ -100,6 +102,7 @@ inline void write_tiny_model(const std::string &path, const TinyModelSpec &s) {
         add(p + "ffn_up_exps.weight", {s.n_embd, s.n_ff, s.n_expert}, false);
         add(p + "ffn_down_exps.weight", {s.n_ff, s.n_embd, s.n_expert}, false);
     }
+    for (const auto &[name, ne] : s.extra) add(name, ne, false);
     w.write(path);
 }
 
