@@ -88,9 +88,11 @@ void OffloadConfig::load_yaml(const std::string &path) {
     if (root.IsNull()) return;
     if (!root.IsMap()) fail("{}: expected a mapping of key: value lines", path);
     for (const auto &kv : root) {
-        const std::string key = kv.first.as<std::string>();
+        // Keys and values must be plain scalars (YAML also allows sequences and maps as keys).
+        if (!kv.first.IsScalar()) fail("{}: expected a mapping of key: value lines, found a key that is not a name", path);
+        const std::string key = kv.first.Scalar();
         if (!kv.second.IsScalar()) fail("{}: {}: expected a single value", path, key);
-        set(key, kv.second.as<std::string>(), path);
+        set(key, kv.second.Scalar(), path);
     }
 }
 

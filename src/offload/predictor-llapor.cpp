@@ -91,7 +91,8 @@ void add_to_rows(float *table, int64_t width, const int32_t *idx, int32_t nnz, c
 // ---------------------------------------------------------------------------------------------------------
 // LSTM
 
-LlaporLstmNet::LlaporLstmNet(LlaporConfig cfg, uint64_t seed) : cfg_(std::move(cfg)) {
+LlaporLstmNet::LlaporLstmNet(LlaporConfig cfg, uint64_t seed, int64_t max_values) : cfg_(std::move(cfg)) {
+    ps_.limit_values(max_values);
     const int64_t H = cfg_.hidden, n_in = cfg_.lstm_inputs(), WE = int64_t(cfg_.window) * shape().n_experts;
     const float s = 1.0f / std::sqrt(float(H));
     for (int32_t g = 0; g < cfg_.n_groups(); ++g) {
@@ -107,7 +108,9 @@ LlaporLstmNet::LlaporLstmNet(LlaporConfig cfg, uint64_t seed) : cfg_(std::move(c
     bind();
 }
 
-LlaporLstmNet::LlaporLstmNet(LlaporConfig cfg, nn::ParamSet params) : LlaporLstmNet(std::move(cfg), 1) {
+// The shapes are checked on a network sized by the config, which may not hold more values than the file.
+LlaporLstmNet::LlaporLstmNet(LlaporConfig cfg, nn::ParamSet params)
+    : LlaporLstmNet(std::move(cfg), 1, params.n_values()) {
     check_shapes(ps_, params, "llapor-lstm");
     ps_ = std::move(params);
     bind();
@@ -212,7 +215,8 @@ void LlaporLstmNet::backward_step(int32_t layer, int64_t n, const int32_t *idx, 
 // ---------------------------------------------------------------------------------------------------------
 // MLP
 
-LlaporMlpNet::LlaporMlpNet(LlaporConfig cfg, uint64_t seed) : cfg_(std::move(cfg)) {
+LlaporMlpNet::LlaporMlpNet(LlaporConfig cfg, uint64_t seed, int64_t max_values) : cfg_(std::move(cfg)) {
+    ps_.limit_values(max_values);
     const int64_t H = cfg_.hidden, P = cfg_.pca_dim, D = cfg_.dim, L = cfg_.shape.n_layers, W = cfg_.window;
     const int64_t E = cfg_.shape.n_experts, WE = W * E;
     if (cfg_.has_mlp()) {
@@ -254,7 +258,7 @@ LlaporMlpNet::LlaporMlpNet(LlaporConfig cfg, uint64_t seed) : cfg_(std::move(cfg
     bind();
 }
 
-LlaporMlpNet::LlaporMlpNet(LlaporConfig cfg, nn::ParamSet params) : LlaporMlpNet(std::move(cfg), 1) {
+LlaporMlpNet::LlaporMlpNet(LlaporConfig cfg, nn::ParamSet params) : LlaporMlpNet(std::move(cfg), 1, params.n_values()) {
     check_shapes(ps_, params, cfg_.kind);
     ps_ = std::move(params);
     bind();
@@ -483,6 +487,12 @@ void logits_to_scores(const float *logits, int32_t layer, int32_t n_layers, int3
         const float mx = *std::max_element(z, z + n_experts);
         float sum = 0.0f;
         for (int32_t e = 0; e < n_experts; ++e) sum += row[e] = std::exp(z[e] - mx);
+        // Logits that overflowed (huge weights, a diverged file) give no scores: NaN would break the sorts
+        // downstream, and nothing is known about the row anyway.
+        if (!std::isfinite(sum) || !(sum > 0.0f)) {
+            std::fill(row, row + n_experts, 0.0f);
+            continue;
+        }
         for (int32_t e = 0; e < n_experts; ++e) row[e] /= sum;
     }
 }

@@ -15,6 +15,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <unistd.h>
@@ -762,6 +763,54 @@ TEST(LlaporFile, RejectsDamagedFiles) {
     std::string kind = good;
     kind.replace(kind.find("llapor-lstm"), 11, "llapor-gru!");
     expect_error(kind, "predictor kind");
+    // A NaN weight (bit pattern 0x7fc00000) in the last tensor: refused at load, naming the tensor.
+    std::string nan = good;
+    const char nan_bytes[4] = {0x00, 0x00, char(0xc0), 0x7f};
+    nan.replace(nan.size() - 4, 4, nan_bytes, 4);
+    expect_error(nan, "tensor ws holds nan");
+}
+
+// Non-finite weights are never written: save refuses them and leaves no file.
+TEST(LlaporFile, RefusesToWriteNonFiniteWeights) {
+    LlaporConfig c;
+    c.kind = "llapor-lstm";
+    c.shape = {4, 8, 2};
+    c.group_start = {0};
+    c.hidden = 4;
+    LlaporLstmNet net(c, 1);
+    nn::ParamSet ps = net.params();
+    ps[1].value[3] = std::numeric_limits<float>::infinity();
+    const fs::path p = tmp_file("inf.pred");
+    fs::remove(p);
+    try {
+        save_llapor(p.string(), c, ps);
+        ADD_FAILURE() << "wrote an infinite weight";
+    } catch (const Error &e) {
+        EXPECT_NE(std::string(e.what()).find("tensor " + ps[1].name + " holds inf at index 3"), std::string::npos)
+            << e.what();
+    }
+    EXPECT_FALSE(fs::exists(p));
+}
+
+// A learning rate that blows the weights up: training stops with an error instead of returning parameters.
+TEST(LlaporTraining, DivergenceIsAnError) {
+    const RoutingTrace train = chained_trace(20, 20, 21);
+    TrainOptions o;
+    o.kind = "llapor-lstm";
+    o.window = 2;
+    o.groups = "1";
+    o.hidden = 8;
+    o.epochs = 3;
+    o.batch = 16;
+    o.lr = 1e30f;
+    try {
+        (void)train_llapor(train, nullptr, o);
+        ADD_FAILURE() << "lr 1e30 trained without an error";
+    } catch (const Error &e) {
+        EXPECT_NE(std::string(e.what()).find("training diverged at epoch"), std::string::npos) << e.what();
+    }
+    o.lr = std::numeric_limits<float>::quiet_NaN();
+    EXPECT_THROW((void)train_llapor(train, nullptr, o), Error);
 }
 
 // Fate with the real router weights of a GGUF: given layer l's own router input, it reproduces layer l's routing.
