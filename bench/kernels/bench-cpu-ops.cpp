@@ -2,8 +2,10 @@
 // machine's memory bandwidth measured in the same run.
 //
 //   ninja -C build bench-cpu-ops
-//   build/bin/bench-cpu-ops [--threads=N] [--isa=scalar|avx2|avx512] --benchmark_min_time=0.2
-//       [--benchmark_filter=REGEX] [--benchmark_out=cpu-ops.json --benchmark_out_format=json]
+//   build/bin/bench-cpu-ops [--threads=N] [--isa=scalar|avx2|avx512] [--activations=int8|f32]
+//       --benchmark_min_time=0.2 [--benchmark_filter=REGEX]
+//       [--benchmark_out=cpu-ops.json --benchmark_out_format=json]
+// --activations: how quantized weights meet activations (core/dtype.h ActivationQuant; default int8).
 //
 // Rows:
 // - mem_read: all threads summing a buffer of twice the L3 size: the bandwidth baseline.
@@ -11,13 +13,16 @@
 //   weights cycled through a pool of copies larger than L3 so every call reads them from DRAM, as
 //   MoE decode does. GB/s counts weight bytes; of_mem = GB/s / mem_read; GFLOP/s = 2*n_in*n_out*n_tok.
 // - matmul_hot/<dtype>/2048x128: one small matrix again and again (in cache): the kernel's compute
-//   speed, to set against one core's share of mem_read.
+//   speed, to set against one core's share of mem_read. Every weight type (the quantized ones other
+//   than Q8_0 as random blocks, tests/common/random-blocks.h).
+// - quantize/<q8_0|q8_1|q8_K>/2048: one token's activations quantized for the integer dot products.
 // - sgemm_openblas: the same product on F32 weights by one multi-threaded OpenBLAS sgemm call (the
 //   baseline of the sgemm path).
 // - matmul_path/<dtype>/2048x768/tok:<n>/path:<p>: one product forced through GEMV (0), F32 tiles +
 //   own register-blocked GEMM (1) or F32 tiles + OpenBLAS sgemm (2): sets the crossover and backend.
 // - experts8_batch vs experts8_loop: one matmul_batch over 8 experts vs 8 matmul calls (decode).
 // - attention/decode, attention/prefill: Qwen3-30B-A3B heads (32 query, 4 KV, head_dim 128).
+#include "../../tests/common/random-blocks.h"
 #include "backend/cpu/kernels.h"
 #include "backend/cpu/ops.h"
 #include "core/dtype.h"
@@ -61,8 +66,10 @@ std::vector<float> random_floats(size_t n, uint32_t seed) {
     return v;
 }
 
-/// A matrix of the given dtype, made from random F32 with core/dtype.h's conversions.
+/// A matrix of the given dtype, made from random F32 with core/dtype.h's conversions (random blocks for
+/// the quantized types PreScope does not write).
 std::vector<uint8_t> make_matrix(DType type, int64_t n_in, int64_t n_out) {
+    if (dtype_is_quantized(type) && type != DType::Q8_0) return test::random_weights(type, n_out, n_in, 42);
     const std::vector<float> f = random_floats(size_t(n_in * n_out), 42);
     const size_t row_bytes = dtype_row_bytes(type, n_in);
     std::vector<uint8_t> m(row_bytes * size_t(n_out));
@@ -228,6 +235,18 @@ void BM_experts8(benchmark::State &state, DType type) {
     set_bandwidth_counters(state, double(n_exp * pool.matrix_bytes), 2.0 * double(n_exp * n_in * n_out));
 }
 
+/// One token's activations (n = 2048) quantized to activation type a with the selected ISA's quantizer.
+void BM_quantize(benchmark::State &state, DType a) {
+    const int64_t n = 2048;
+    const std::vector<float> x = random_floats(size_t(n), 7);
+    std::vector<uint8_t> q(dtype_row_bytes(a, n));
+    for (auto _ : state) {
+        kernels().quantize[act_index(a)](x.data(), q.data(), n);
+        benchmark::ClobberMemory();
+    }
+    set_bandwidth_counters(state, double(n * 4), 0);
+}
+
 /// range(0) new tokens after range(1) cached positions; 32 query heads, 4 KV heads, head_dim 128.
 void BM_attention(benchmark::State &state) {
     const int64_t n_tok = state.range(0), pos0 = state.range(1), n_head = 32, n_head_kv = 4, hd = 128;
@@ -266,7 +285,10 @@ void register_benchmarks() {
     const struct {
         int64_t n_in, n_out;
     } shapes[] = {{2048, 768}, {768, 2048}};
-    const DType types[] = {DType::F32, DType::F16, DType::BF16, DType::Q8_0};
+    const DType types[] = {DType::F32, DType::F16, DType::BF16, DType::Q8_0, DType::Q4_K, DType::Q6_K};
+    const DType all_types[] = {DType::F32,  DType::F16,  DType::BF16,   DType::Q8_0,   DType::Q4_0,  DType::Q4_1,
+                               DType::Q5_0, DType::Q5_1, DType::Q2_K,   DType::Q3_K,   DType::Q4_K,  DType::Q5_K,
+                               DType::Q6_K, DType::IQ4_NL, DType::IQ4_XS, DType::MXFP4};
     for (auto s : shapes) {
         for (DType t : types) {
             const std::string name =
@@ -281,12 +303,16 @@ void register_benchmarks() {
         add(name.c_str(), BM_sgemm_openblas, s.n_in, s.n_out)
             ->ArgName("tok")->Args({32})->Args({512})->UseRealTime()->Unit(benchmark::kMicrosecond);
     }
-    for (DType t : types) {
+    for (DType t : all_types) {
         add((std::string("matmul_hot/") + dtype_name(t) + "/2048x128").c_str(),
                                      BM_matmul_hot, t)
             ->ArgName("tok")->Args({1})->Args({8})->UseRealTime()->Unit(benchmark::kMicrosecond);
     }
-    for (DType t : {DType::BF16, DType::Q8_0}) {
+    for (DType a : {DType::Q8_0, DType::Q8_1, DType::Q8_K}) {
+        add((std::string("quantize/") + dtype_name(a) + "/2048").c_str(), BM_quantize, a)
+            ->UseRealTime()->Unit(benchmark::kMicrosecond);
+    }
+    for (DType t : {DType::BF16, DType::Q8_0, DType::Q4_K, DType::Q6_K}) {
         add((std::string("matmul_path/") + dtype_name(t) + "/2048x768").c_str(),
                                      BM_matmul_path, t)
             ->ArgNames({"tok", "path"})
@@ -315,6 +341,8 @@ int main(int argc, char **argv) {
         } else if (a.rfind("--isa=", 0) == 0) {
             const std::string isa = a.substr(6);
             set_cpu_isa(isa == "scalar" ? CpuIsa::SCALAR : isa == "avx2" ? CpuIsa::AVX2 : CpuIsa::AVX512);
+        } else if (a.rfind("--activations=", 0) == 0) {
+            set_activation_quant(a.substr(14) == "f32" ? ActivationQuant::NONE : ActivationQuant::INT8);
         } else {
             rest.push_back(argv[i]);
         }
@@ -323,11 +351,13 @@ int main(int argc, char **argv) {
     int rest_argc = int(rest.size());
     benchmark::Initialize(&rest_argc, rest.data());
     measure_memory_bandwidth();
-    std::printf("cpu kernels: isa %s, %d threads (%d physical cores); memory read bandwidth %.1f GB/s "
-                "(%zu MiB buffer)\n",
-                cpu_isa_name(get_cpu_isa()), get_threads(), physical_cores(), g_mem_bytes_per_s / 1e9,
+    const char *act = activation_quant() == ActivationQuant::INT8 ? "int8" : "f32";
+    std::printf("cpu kernels: isa %s, %d threads (%d physical cores), %s activations; memory read bandwidth "
+                "%.1f GB/s (%zu MiB buffer)\n",
+                cpu_isa_name(get_cpu_isa()), get_threads(), physical_cores(), act, g_mem_bytes_per_s / 1e9,
                 pool_bytes() >> 20);
     benchmark::AddCustomContext("cpu_isa", cpu_isa_name(get_cpu_isa()));
+    benchmark::AddCustomContext("activations", act);
     benchmark::AddCustomContext("threads", std::to_string(get_threads()));
     benchmark::AddCustomContext("mem_read_GBps", std::to_string(g_mem_bytes_per_s / 1e9));
     register_benchmarks();

@@ -1,21 +1,28 @@
 #!/usr/bin/env bash
-# Trains and evaluates every expert predictor on held-out topo sequences, then merges the results (with the demo
-# runs of run_demo.sh, when present) into bench/results/predictors.json and its recall-by-layer plot.
-#   bench/predictor/run_topo.sh            # B=build/bin/prescope, work files in /tmp/prescope-predictors
-# Needs traces/topo-test.pstrace, traces/topo-routers.safetensors and the uncommitted sidecar
-# traces/topo-test.hidden.zst (HIDDEN=... to point elsewhere). A predictor file already in the work folder is
-# reused (delete it to retrain). About 20 minutes on 2 cores (2026-11-29). Commands and results: docs/predictors.md.
+# Trains and evaluates every expert predictor on held-out sequences of a 48-layer (or Mixtral-shaped) trace, then
+# merges the results (with the demo runs of run_demo.sh, when present) into bench/results/predictors[-MODEL].json and a
+# recall-by-layer plot.
+#   bench/predictor/run_topo.sh            # B=build/bin/prescope, work files in /tmp/prescope-predictors[-MODEL]
+#   MODEL=topo-b bench/predictor/run_topo.sh          # the balanced traces of issue 9 (also MODEL=topo-mixtral)
+# Needs traces/MODEL-test.pstrace, traces/MODEL-prompts.pstrace, traces/MODEL-routers.safetensors and the
+# uncommitted sidecar traces/MODEL-test.hidden.zst (HIDDEN=... to point elsewhere). MODEL=topo (the default) is the
+# first, skewed topo model. A predictor file already in the work folder is reused (delete it to retrain). About 20
+# minutes on 2 cores for topo (2026-11-29). Commands and results: docs/predictors.md.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 B=${B:-build/bin/prescope}
-W=${WORK:-/tmp/prescope-predictors}
+MODEL=${MODEL:-topo}
+SUFFIX=$([ "$MODEL" = topo ] || echo "-$MODEL")  # topo keeps the names of issue 5's results
+W=${WORK:-/tmp/prescope-predictors$SUFFIX}
 DEMO=${DEMO_WORK:-/tmp/prescope-demo}
-T=traces/topo-test.pstrace
-P=traces/topo-prompts.pstrace
-HIDDEN=${HIDDEN:-traces/topo-test.hidden.zst}
-R=traces/topo-routers.safetensors
+T=traces/$MODEL-test.pstrace
+P=traces/$MODEL-prompts.pstrace
+HIDDEN=${HIDDEN:-traces/$MODEL-test.hidden.zst}
+R=traces/$MODEL-routers.safetensors
 H=3          # held out: sequences 2, 5, 8, ... (--holdout-every 3); the sidecar covers sequences 0-8
-SLOTS=32     # hot-expert table replay: 32 of 128 experts per layer (25%), LRU
+# hot-expert table replay, LRU: 32 of 128 experts per layer (25%); half of Mixtral's 8 (a quarter would be its top-2)
+case $MODEL in *mixtral*) SLOTS=${SLOTS:-4} ;; *) SLOTS=${SLOTS:-32} ;; esac
+RESULTS=bench/results/predictors$SUFFIX.json
 mkdir -p "$W"
 
 # train NAME ARGS...: trains $W/NAME.pred on the train split unless it exists (every 10th training sequence, or
@@ -64,5 +71,5 @@ for p in frequency oracle lstm lstm-1group; do
         --json $W/prompts-$p.json
 done
 PLOT=frequency,recency,fate,llapor-lstm,llapor-mlp,llapor-mlp-negloss,llapor-mlp-prior,llapor-mlp-prior-drift-none,oracle
-python3 bench/predictor/collect_results.py bench/results/predictors.json bench/results/predictors-recall-by-layer.png \
+python3 bench/predictor/collect_results.py $RESULTS ${RESULTS%.json}-recall-by-layer.png \
     --plot-predictors $PLOT $W/hidden-*.json $W/test-*.json $W/prompts-*.json $(ls $DEMO/eval-*.json 2>/dev/null || true)

@@ -24,6 +24,8 @@ setup_carried_debs() {
     export CMAKE_PREFIX_PATH=$root/usr${CMAKE_PREFIX_PATH:+:$CMAKE_PREFIX_PATH}
     export CPATH=$root/usr/include${CPATH:+:$CPATH}
     export LIBRARY_PATH=$libdir${LIBRARY_PATH:+:$LIBRARY_PATH}
+    # The carried libraries' own dependencies (libglpk's libamd, libcolamd) are found there too at link time.
+    export LDFLAGS="-Wl,-rpath-link,$libdir${LDFLAGS:+ $LDFLAGS}"
     RUN_LIBS=$libdir
     say "unpacked $(ls "$dir"/*.deb | wc -l) carried packages into $root"
 }

@@ -6,7 +6,7 @@
 #
 # Before the call, here:  python3 tools/data/build_corpus.py && python3 tools/data/prepare_carry.py --wheels
 # The call:               run(command="bash scripts/device/train_balanced.sh", carry=[".carry", ".whl"], timeout_s=600)
-# After it, here:         python3 tools/train/install_outputs.py <files_at folder>
+# After it, here:         python3 tools/train/install_outputs.py <files_at> --summary-as docs/data/device-run-balanced.json
 # CPU dry run, here:      OUT=/tmp/smoke-balanced bash scripts/device/train_balanced.sh --smoke
 set -uo pipefail
 START=$(date +%s)

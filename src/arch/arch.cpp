@@ -189,10 +189,6 @@ void ArchLoader::bind_moe(int64_t il) {
     l.gate_exps = matrix(p + "ffn_gate_exps.weight", {hp.n_embd, hp.n_ff_exp, hp.n_expert});
     l.up_exps = matrix(p + "ffn_up_exps.weight", {hp.n_embd, hp.n_ff_exp, hp.n_expert});
     l.down_exps = matrix(p + "ffn_down_exps.weight", {hp.n_ff_exp, hp.n_embd, hp.n_expert});
-    if (l.gate_exps.type != l.up_exps.type || l.gate_exps.type != l.down_exps.type) {
-        fail("{}: layer {} experts mix dtypes (gate {}, up {}, down {}); expected one dtype", f_.path(), il,
-             dtype_name(l.gate_exps.type), dtype_name(l.up_exps.type), dtype_name(l.down_exps.type));
-    }
     if (hp.shared_expert) {
         l.gate_shexp = matrix(p + "ffn_gate_shexp.weight", {hp.n_embd, hp.n_ff_shexp});
         l.up_shexp = matrix(p + "ffn_up_shexp.weight", {hp.n_embd, hp.n_ff_shexp});

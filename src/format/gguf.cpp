@@ -138,7 +138,7 @@ std::optional<std::pair<int64_t, size_t>> ggml_type_block(uint32_t t) {
         {14, 256, 210}, {15, 256, 292}, {16, 256, 66}, {17, 256, 74}, {18, 256, 98}, {19, 256, 50},
         {20, 32, 18},  {21, 256, 110}, {22, 256, 82}, {23, 256, 136}, {24, 1, 1},   {25, 1, 2},
         {26, 1, 4},    {27, 1, 8},    {28, 1, 8},    {29, 256, 56}, {30, 1, 2},    {34, 256, 54},
-        {35, 256, 66}, {39, 32, 17},
+        {35, 256, 66}, {39, 32, 17},  {40, 64, 36},
     };
     for (const auto &e : table) {
         if (e.id == t) return std::make_pair(e.blck, e.bytes);
@@ -400,8 +400,8 @@ TensorView GgufFile::tensor_view(const std::string &name) const {
     const GgufTensorInfo *t = find_tensor(name);
     if (!t) fail("{}: missing tensor '{}'", path(), name);
     if (!t->dtype) {
-        fail("{}: tensor '{}' has unsupported dtype {} (supported: f32, f16, bf16, q8_0)", path(), name,
-             ggml_type_name(t->ggml_type));
+        fail("{}: tensor '{}' has unsupported dtype {} (supported: {})", path(), name, ggml_type_name(t->ggml_type),
+             supported_weight_types());
     }
     TensorView v;
     v.name = t->name;

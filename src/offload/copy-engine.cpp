@@ -73,6 +73,11 @@ void CopyQueue::unlink(uint32_t index) {
     r.queued = false;
 }
 
+void CopyQueue::queued_bytes(const Record &r, int64_t delta) {
+    uint64_t &b = r.request.priority == CopyPriority::DEMAND ? backlog_.demand_bytes : backlog_.prefetch_bytes;
+    b = uint64_t(int64_t(b) + delta);
+}
+
 void CopyQueue::release(uint32_t index) {
     PRESCOPE_ASSERT(free_count_ < free_.size());
     free_[(free_head_ + free_count_) % free_.size()] = index;
@@ -96,12 +101,16 @@ Ticket CopyQueue::push(const CopyRequest &request) {
     r.chunks_in_flight = 0;
     link(index);
     ++stats_.requests_submitted;
+    queued_bytes(r, int64_t(request.n_bytes));
+    if (request.priority == CopyPriority::PREFETCH) ++backlog_.prefetch_requests;
     return {index, r.generation};
 }
 
 bool CopyQueue::cancel(Ticket ticket) {
     Record *r = lookup(ticket);
     if (!r || !r->queued) return false;
+    queued_bytes(*r, -int64_t(r->request.n_bytes - r->issued_bytes));
+    if (r->request.priority == CopyPriority::PREFETCH) --backlog_.prefetch_requests;
     unlink(ticket.index);
     r->state = TicketState::CANCELLED;
     ++stats_.requests_cancelled;
@@ -112,9 +121,12 @@ bool CopyQueue::cancel(Ticket ticket) {
 bool CopyQueue::promote(Ticket ticket) {
     Record *r = lookup(ticket);
     if (!r || !r->queued || r->request.priority != CopyPriority::PREFETCH) return false;
+    queued_bytes(*r, -int64_t(r->request.n_bytes - r->issued_bytes));
+    --backlog_.prefetch_requests;
     unlink(ticket.index);
     r->request.priority = CopyPriority::DEMAND;
     link(ticket.index);
+    queued_bytes(*r, int64_t(r->request.n_bytes - r->issued_bytes));
     ++stats_.requests_promoted;
     return true;
 }
@@ -158,6 +170,9 @@ bool CopyQueue::next_chunk(int64_t now_ns, CopyChunk *out, int64_t *retry_at_ns)
     c.after = c.first ? r.request.after : nullptr;
     c.ring = (ring_head_ + in_flight_count_) % config_.queue_depth;
 
+    queued_bytes(r, -int64_t(c.n_bytes));
+    if (c.last && r.request.priority == CopyPriority::PREFETCH) --backlog_.prefetch_requests;
+    backlog_.in_flight_bytes += c.n_bytes;
     r.issued_bytes += c.n_bytes;
     r.state = TicketState::ISSUING;
     ++r.chunks_in_flight;
@@ -189,6 +204,7 @@ bool CopyQueue::retire_oldest() {
     --in_flight_count_;
     ++stats_.chunks_done;
     stats_.bytes_done += c.n_bytes;
+    backlog_.in_flight_bytes -= c.n_bytes;
     (c.priority == CopyPriority::DEMAND ? stats_.bytes_demand : stats_.bytes_prefetch) += c.n_bytes;
 
     Record &r = records_[c.request];
@@ -310,6 +326,11 @@ void CopyEngine::drain() {
 bool CopyEngine::idle() const {
     std::lock_guard lock(mutex_);
     return queue_.idle();
+}
+
+CopyBacklog CopyEngine::backlog() const {
+    std::lock_guard lock(mutex_);
+    return queue_.backlog();
 }
 
 CopyStats CopyEngine::stats() const {

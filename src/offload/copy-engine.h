@@ -76,6 +76,14 @@ struct CopyStats {
     double achieved_gb_s() const { return busy_us > 0 ? double(bytes_done) / busy_us * 1e-3 : 0.0; }
 };
 
+/// Bytes waiting on the link, by what they wait for (the scheduler's view of the copies in flight).
+struct CopyBacklog {
+    uint64_t in_flight_bytes = 0;  // chunks handed to the driver, not yet complete
+    uint64_t demand_bytes = 0;     // queued demand bytes not yet issued
+    uint64_t prefetch_bytes = 0;   // queued prefetch bytes not yet issued
+    int32_t prefetch_requests = 0; // prefetch requests not yet fully issued
+};
+
 /// One chunk of a request, as handed to the issuer.
 struct CopyChunk {
     uint32_t request = 0;  // record index (Ticket::index)
@@ -123,6 +131,7 @@ class CopyQueue {
     const CopyChunk &oldest_in_flight() const;
     bool has_queued() const { return demand_.head >= 0 || prefetch_.head >= 0; }
     bool idle() const { return !has_queued() && in_flight_count_ == 0; }
+    const CopyBacklog &backlog() const { return backlog_; }
     const CopyStats &stats() const { return stats_; }
     const CopyEngineConfig &config() const { return config_; }
 
@@ -146,6 +155,7 @@ class CopyQueue {
     void link(uint32_t index);
     void unlink(uint32_t index);
     void release(uint32_t index);
+    void queued_bytes(const Record &r, int64_t delta);  // adds delta to the backlog of r's priority
 
     CopyEngineConfig config_;
     std::vector<Record> records_;  // [max_requests]
@@ -156,6 +166,7 @@ class CopyQueue {
     int32_t ring_head_ = 0, in_flight_count_ = 0;
     int64_t next_issue_ns_ = INT64_MIN;  // bandwidth cap: earliest time of the next issue
     CopyStats stats_;
+    CopyBacklog backlog_;
 };
 
 /// The copy engine: one copy thread, one backend stream, events per request and per in-flight chunk, all
@@ -193,6 +204,8 @@ class CopyEngine {
     bool idle() const;
 
     CopyStats stats() const;
+    /// What waits on the link now (CopyQueue::backlog).
+    CopyBacklog backlog() const;
     Stream stream() const { return stream_; }
     const CopyEngineConfig &config() const { return queue_.config(); }
 

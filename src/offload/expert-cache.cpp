@@ -9,21 +9,10 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <numeric>
 
 namespace prescope {
 
-CacheLayerStats &CacheLayerStats::operator+=(const CacheLayerStats &o) {
-    hits += o.hits;
-    demand_misses += o.demand_misses;
-    cpu_runs += o.cpu_runs;
-    prefetch_hits += o.prefetch_hits;
-    prefetch_loads += o.prefetch_loads;
-    wasted_prefetch_bytes += o.wasted_prefetch_bytes;
-    bytes_loaded += o.bytes_loaded;
-    evictions += o.evictions;
-    stall_us += o.stall_us;
-    return *this;
-}
 
 namespace {
 
@@ -47,61 +36,91 @@ void validate(const ExpertCacheConfig &c) {
 
 } // namespace
 
-uint64_t ExpertCache::slot_bytes_for(const ExpertCacheConfig &config) {
+std::vector<uint64_t> ExpertCache::layer_slot_bytes_for(const ExpertCacheConfig &config) {
     validate(config);
-    uint64_t largest = *std::max_element(config.expert_bytes.begin(), config.expert_bytes.end());
-    return (largest + config.slot_alignment - 1) / config.slot_alignment * config.slot_alignment;
+    std::vector<uint64_t> out(size_t(config.n_layers));
+    for (int32_t l = 0; l < config.n_layers; ++l) {
+        uint64_t largest = config.expert_bytes[0];
+        if (config.expert_bytes.size() > 1) {
+            const auto first = config.expert_bytes.begin() + ptrdiff_t(size_t(l) * size_t(config.n_experts));
+            largest = *std::max_element(first, first + config.n_experts);
+        }
+        out[size_t(l)] = (largest + config.slot_alignment - 1) / config.slot_alignment * config.slot_alignment;
+    }
+    return out;
+}
+
+uint64_t ExpertCache::slot_bytes_for(const ExpertCacheConfig &config) {
+    const std::vector<uint64_t> b = layer_slot_bytes_for(config);
+    return *std::max_element(b.begin(), b.end());
 }
 
 uint64_t ExpertCache::min_budget_bytes(const ExpertCacheConfig &config) {
-    return slot_bytes_for(config) * uint64_t(config.n_layers) * uint64_t(config.top_k);
+    const std::vector<uint64_t> b = layer_slot_bytes_for(config);
+    return uint64_t(config.top_k) * std::accumulate(b.begin(), b.end(), uint64_t(0));
+}
+
+uint64_t ExpertCache::pool_bytes_for(const ExpertCacheConfig &config) {
+    const std::vector<uint64_t> b = layer_slot_bytes_for(config);
+    const std::vector<int32_t> n = split_slots(config, b);
+    uint64_t total = 0;
+    for (size_t l = 0; l < b.size(); ++l) total += uint64_t(n[l]) * b[l];
+    return total;
+}
+
+std::vector<int32_t> ExpertCache::split_slots(const ExpertCacheConfig &c, const std::vector<uint64_t> &b) {
+    const int32_t L = c.n_layers, E = c.n_experts;
+    std::vector<int32_t> n(size_t(L), 0);
+    const uint64_t per_round = std::accumulate(b.begin(), b.end(), uint64_t(0));  // one slot in every layer
+    if (!c.slots_per_layer.empty()) {
+        if (c.slots_per_layer.size() != size_t(L)) {
+            fail("expert cache: slots_per_layer has {} entries, expected {} (n_layers)", c.slots_per_layer.size(), L);
+        }
+        uint64_t total = 0, bytes = 0;
+        for (int32_t l = 0; l < L; ++l) {
+            const int32_t k = c.slots_per_layer[size_t(l)];
+            if (k < c.top_k || k > E) {
+                fail("expert cache: layer {} is given {} slots, expected {} (top_k) to {} (n_experts)", l, k, c.top_k,
+                     E);
+            }
+            n[size_t(l)] = k;
+            total += uint64_t(k);
+            bytes += uint64_t(k) * b[size_t(l)];
+        }
+        if (bytes > c.budget_bytes) {
+            fail("expert cache: slots_per_layer asks for {} slots = {}, more than the budget of {}", total,
+                 format_byte_size(bytes), format_byte_size(c.budget_bytes));
+        }
+    } else if (c.budget_bytes > 0) {
+        const uint64_t min_budget = uint64_t(c.top_k) * per_round;
+        if (c.budget_bytes < min_budget) {
+            const auto [lo, hi] = std::minmax_element(b.begin(), b.end());
+            fail("GPU expert budget (--gpu-expert-budget / gpu_cache) of {} is too small: {} layers x top-{} "
+                 "experts in slots of {} to {} need at least {} ({} bytes); use 0 to run every expert on the CPU",
+                 format_byte_size(c.budget_bytes), L, c.top_k, format_byte_size(*lo), format_byte_size(*hi),
+                 format_byte_size(min_budget), min_budget);
+        }
+        // Even split in slots of each layer's size; what is left buys one slot each for the first layers it
+        // covers (docs/decisions/0031, 0063).
+        const int32_t base = int32_t(std::min<uint64_t>(uint64_t(E), c.budget_bytes / per_round));
+        uint64_t rest = c.budget_bytes - uint64_t(base) * per_round;
+        for (int32_t l = 0; l < L; ++l) {
+            const bool extra = base < E && rest >= b[size_t(l)];
+            if (extra) rest -= b[size_t(l)];
+            n[size_t(l)] = base + (extra ? 1 : 0);
+        }
+    }
+    return n;
 }
 
 ExpertCache::ExpertCache(const ExpertCacheConfig &config, Backend *backend)
     : config_(config), backend_(backend) {
-    slot_bytes_ = slot_bytes_for(config_);
+    layer_slot_bytes_ = layer_slot_bytes_for(config_);
+    slot_bytes_ = *std::max_element(layer_slot_bytes_.begin(), layer_slot_bytes_.end());
     const int32_t L = config_.n_layers, E = config_.n_experts;
     layout_.n_layers = L;
     layout_.n_experts = E;
-    layout_.n_slots.assign(size_t(L), 0);
-
-    if (!config_.slots_per_layer.empty()) {
-        if (config_.slots_per_layer.size() != size_t(L)) {
-            fail("expert cache: slots_per_layer has {} entries, expected {} (n_layers)",
-                 config_.slots_per_layer.size(), L);
-        }
-        uint64_t total = 0;
-        for (int32_t l = 0; l < L; ++l) {
-            int32_t n = config_.slots_per_layer[size_t(l)];
-            if (n < config_.top_k || n > E) {
-                fail("expert cache: layer {} is given {} slots, expected {} (top_k) to {} (n_experts)", l, n,
-                     config_.top_k, E);
-            }
-            layout_.n_slots[size_t(l)] = n;
-            total += uint64_t(n);
-        }
-        if (total * slot_bytes_ > config_.budget_bytes) {
-            fail("expert cache: slots_per_layer asks for {} slots = {}, more than the budget of {}", total,
-                 format_byte_size(total * slot_bytes_), format_byte_size(config_.budget_bytes));
-        }
-    } else if (config_.budget_bytes > 0) {
-        uint64_t min_budget = min_budget_bytes(config_);
-        if (config_.budget_bytes < min_budget) {
-            fail("GPU expert budget (--gpu-expert-budget / gpu_cache) of {} is too small: {} layers x top-{} "
-                 "experts x {} per slot need at least {} ({} bytes); use 0 to run every expert on the CPU",
-                 format_byte_size(config_.budget_bytes), L, config_.top_k, format_byte_size(slot_bytes_),
-                 format_byte_size(min_budget), min_budget);
-        }
-        // Even split; the remainder goes one slot each to the first layers (docs/decisions/0031).
-        uint64_t total = config_.budget_bytes / slot_bytes_;
-        int32_t base = int32_t(std::min<uint64_t>(uint64_t(E), total / uint64_t(L)));
-        uint64_t rest = total - uint64_t(base) * uint64_t(L);
-        for (int32_t l = 0; l < L; ++l) {
-            int32_t extra = (rest > 0 && base < E) ? 1 : 0;
-            rest -= uint64_t(extra);
-            layout_.n_slots[size_t(l)] = base + extra;
-        }
-    }
+    layout_.n_slots = split_slots(config_, layer_slot_bytes_);
     layout_.first_slot.assign(size_t(L), 0);
     for (int32_t l = 1; l < L; ++l) {
         layout_.first_slot[size_t(l)] = layout_.first_slot[size_t(l - 1)] + layout_.n_slots[size_t(l - 1)];
@@ -114,7 +133,7 @@ ExpertCache::ExpertCache(const ExpertCacheConfig &config, Backend *backend)
     map_.assign(size_t(L) * size_t(E), -1);
     free_.resize(size_t(L));
     pinned_.resize(size_t(L));
-    stats_.resize(size_t(L));
+    stats_ = LayerStatsTable(layout_.n_slots);
     fixed_count_.assign(size_t(L), 0);
     for (int32_t l = 0; l < L; ++l) {
         int32_t first = layout_.first_slot[size_t(l)], count = layout_.n_slots[size_t(l)];
@@ -126,10 +145,13 @@ ExpertCache::ExpertCache(const ExpertCacheConfig &config, Backend *backend)
             free_[size_t(l)].push_back(s);
         }
     }
-    policy_ = make_eviction_policy(config_.policy, layout_);
-    if (backend_ && n > 0) {
-        pool_ = static_cast<uint8_t *>(backend_->alloc(MemoryKind::DEVICE, size_t(n) * size_t(slot_bytes_)));
+    slot_offset_.resize(size_t(n));
+    for (int32_t s = 0; s < n; ++s) {
+        slot_offset_[size_t(s)] = pool_bytes_;
+        pool_bytes_ += layer_slot_bytes_[size_t(slots_[size_t(s)].layer)];
     }
+    policy_ = make_eviction_policy(config_.policy, layout_);
+    if (backend_ && n > 0) pool_ = static_cast<uint8_t *>(backend_->alloc(MemoryKind::DEVICE, size_t(pool_bytes_)));
     spdlog::debug("{}", describe());
 }
 
@@ -142,7 +164,7 @@ uint64_t ExpertCache::expert_bytes(int32_t layer, int32_t expert) const {
 }
 
 void *ExpertCache::slot_data(int32_t slot) const {
-    return pool_ ? pool_ + size_t(slot) * size_t(slot_bytes_) : nullptr;
+    return pool_ ? pool_ + size_t(slot_offset_[size_t(slot)]) : nullptr;
 }
 
 int32_t ExpertCache::find(int32_t layer, int32_t expert) const {
@@ -172,7 +194,7 @@ int32_t ExpertCache::take_slot(int32_t layer, int32_t incoming, std::span<const 
     if (slot < 0) return -1;
     Slot &s = slots_[size_t(slot)];
     PRESCOPE_ASSERT(s.layer == layer && s.expert >= 0 && s.pins == 0 && !s.fixed);
-    CacheLayerStats &st = stats_[size_t(layer)];
+    LayerStats &st = stats_.at(layer);
     ++st.evictions;
     if (s.prefetched) st.wasted_prefetch_bytes += s.bytes;
     grant->evicted_expert = s.expert;
@@ -199,7 +221,7 @@ void ExpertCache::install(int32_t slot, int32_t layer, int32_t expert, bool pref
 
 SlotGrant ExpertCache::acquire(int32_t layer, int32_t expert) {
     SlotGrant g;
-    CacheLayerStats &st = stats_[size_t(layer)];
+    LayerStats &st = stats_.at(layer);
     int32_t slot = find(layer, expert);
     if (slot >= 0) {
         Slot &s = slots_[size_t(slot)];
@@ -242,16 +264,22 @@ SlotGrant ExpertCache::prefetch(int32_t layer, int32_t expert) {
     int32_t first = layout_.first_slot[size_t(layer)], end = first + layout_.n_slots[size_t(layer)];
     for (int32_t s = first; s < end; ++s) {
         const Slot &x = slots_[size_t(s)];
-        prefetch_mask_[size_t(s)] = evictable_[size_t(s)] && !(x.prefetched && x.round == prefetch_round_);
+        prefetch_mask_[size_t(s)] = evictable_[size_t(s)] && !(x.prefetched && x.round == prefetch_round_) &&
+                                    x.protect_round != prefetch_round_;
     }
     slot = take_slot(layer, expert, prefetch_mask_, &g);
     if (slot < 0) return g;
     install(slot, layer, expert, true);
-    ++stats_[size_t(layer)].prefetch_loads;
-    stats_[size_t(layer)].bytes_loaded += slots_[size_t(slot)].bytes;
+    ++stats_.at(layer).prefetch_loads;
+    stats_.at(layer).bytes_loaded += slots_[size_t(slot)].bytes;
     g.slot = slot;
     g.load = true;
     return g;
+}
+
+void ExpertCache::protect(int32_t layer, int32_t expert) {
+    const int32_t slot = find(layer, expert);
+    if (slot >= 0) slots_[size_t(slot)].protect_round = prefetch_round_;
 }
 
 SlotGrant ExpertCache::fix(int32_t layer, int32_t expert) {
@@ -285,69 +313,26 @@ void ExpertCache::release_layer(int32_t layer) {
     pinned_[size_t(layer)].clear();
 }
 
-CacheLayerStats ExpertCache::total_stats() const {
-    CacheLayerStats t;
-    for (const CacheLayerStats &s : stats_) t += s;
-    return t;
-}
-
-void ExpertCache::reset_stats() { std::fill(stats_.begin(), stats_.end(), CacheLayerStats{}); }
-
 std::string ExpertCache::describe() const {
     int32_t lo = layout_.n_layers ? *std::min_element(layout_.n_slots.begin(), layout_.n_slots.end()) : 0;
     int32_t hi = layout_.n_layers ? *std::max_element(layout_.n_slots.begin(), layout_.n_slots.end()) : 0;
+    const uint64_t small = *std::min_element(layer_slot_bytes_.begin(), layer_slot_bytes_.end());
+    const std::string sizes = small == slot_bytes_ ? format_byte_size(slot_bytes_)
+                                                   : format_byte_size(small) + " to " + format_byte_size(slot_bytes_);
     return fmt::format("expert cache: budget {}, {} slots of {} ({} to {} per layer, {} layers x {} experts), "
                        "policy {}, pool {}",
-                       format_byte_size(config_.budget_bytes), n_slots(), format_byte_size(slot_bytes_), lo, hi,
-                       layout_.n_layers, layout_.n_experts, eviction_policy_name(config_.policy),
-                       format_byte_size(uint64_t(n_slots()) * slot_bytes_));
+                       format_byte_size(config_.budget_bytes), n_slots(), sizes, lo, hi, layout_.n_layers,
+                       layout_.n_experts, eviction_policy_name(config_.policy), format_byte_size(pool_bytes_));
 }
-
-std::string ExpertCache::stats_table() const {
-    std::string out = fmt::format("{:>5} {:>5} {:>10} {:>10} {:>10} {:>10} {:>10} {:>12} {:>12} {:>10} {:>7}\n",
-                                  "layer", "slots", "hits", "d.misses", "cpu", "pf.hits", "pf.loads",
-                                  "wasted MiB", "loaded MiB", "stall ms", "hit %");
-    auto row = [&](const std::string &name, int32_t slots, const CacheLayerStats &s) {
-        out += fmt::format("{:>5} {:>5} {:>10} {:>10} {:>10} {:>10} {:>10} {:>12.1f} {:>12.1f} {:>10.2f} {:>7.1f}\n",
-                           name, slots, s.hits, s.demand_misses, s.cpu_runs, s.prefetch_hits, s.prefetch_loads,
-                           double(s.wasted_prefetch_bytes) / 0x1p20, double(s.bytes_loaded) / 0x1p20,
-                           s.stall_us * 1e-3, 100.0 * s.hit_rate());
-    };
-    for (int32_t l = 0; l < layout_.n_layers; ++l) {
-        row(std::to_string(l), layout_.n_slots[size_t(l)], stats_[size_t(l)]);
-    }
-    row("all", n_slots(), total_stats());
-    return out;
-}
-
-namespace {
-nlohmann::json to_json(const CacheLayerStats &s) {
-    return {{"hits", s.hits},
-            {"demand_misses", s.demand_misses},
-            {"cpu_runs", s.cpu_runs},
-            {"prefetch_hits", s.prefetch_hits},
-            {"prefetch_loads", s.prefetch_loads},
-            {"wasted_prefetch_bytes", s.wasted_prefetch_bytes},
-            {"bytes_loaded", s.bytes_loaded},
-            {"evictions", s.evictions},
-            {"stall_us", s.stall_us},
-            {"hit_rate", s.hit_rate()}};
-}
-} // namespace
 
 nlohmann::json ExpertCache::stats_json() const {
-    nlohmann::json layers = nlohmann::json::array();
-    for (int32_t l = 0; l < layout_.n_layers; ++l) {
-        nlohmann::json j = to_json(stats_[size_t(l)]);
-        j["layer"] = l;
-        j["slots"] = layout_.n_slots[size_t(l)];
-        layers.push_back(std::move(j));
-    }
-    return {{"policy", eviction_policy_name(config_.policy)},
-            {"slot_bytes", slot_bytes_},
-            {"budget_bytes", config_.budget_bytes},
-            {"layers", std::move(layers)},
-            {"total", to_json(total_stats())}};
+    nlohmann::json j = stats_.json();
+    for (auto &row : j["layers"]) row["slot_bytes"] = layer_slot_bytes_[row["layer"].get<size_t>()];
+    j["policy"] = eviction_policy_name(config_.policy);
+    j["slot_bytes"] = slot_bytes_;
+    j["pool_bytes"] = pool_bytes_;
+    j["budget_bytes"] = config_.budget_bytes;
+    return j;
 }
 
 } // namespace prescope

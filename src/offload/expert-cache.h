@@ -5,6 +5,7 @@
 #include "backend/backend.h"
 #include "offload/copy-engine.h"
 #include "offload/eviction-policy.h"
+#include "offload/layer-stats.h"
 
 #include <nlohmann/json_fwd.hpp>
 
@@ -27,25 +28,6 @@ struct ExpertCacheConfig {
     std::vector<int32_t> slots_per_layer;  // optional [n_layers] split, each in [top_k, n_experts];
                                            // empty: even split (docs/decisions/0031)
     uint64_t slot_alignment = 256;         // slot size is rounded up to this many bytes
-};
-
-/// Counters of one layer. accesses() = hits + demand_misses + cpu_runs: every routed expert of every
-/// step is counted once, in one of the three.
-struct CacheLayerStats {
-    uint64_t hits = 0;                   // demand accesses that found the expert resident (or loading)
-    uint64_t demand_misses = 0;          // demand accesses that had to load the expert
-    uint64_t cpu_runs = 0;               // routed experts run on the CPU from host memory (record_cpu)
-    uint64_t prefetch_hits = 0;          // of hits: first uses of a prefetched expert
-    uint64_t prefetch_loads = 0;         // prefetches that took a slot and asked for a load
-    uint64_t wasted_prefetch_bytes = 0;  // bytes of prefetched experts evicted before any use
-    uint64_t bytes_loaded = 0;           // bytes asked to be loaded, demand and prefetch
-    uint64_t evictions = 0;
-    double stall_us = 0;                 // time the layer's compute waited for expert bytes (record_stall)
-
-    uint64_t accesses() const { return hits + demand_misses + cpu_runs; }
-    /// hits / accesses(), 0 with no accesses.
-    double hit_rate() const { return accesses() ? double(hits) / double(accesses()) : 0.0; }
-    CacheLayerStats &operator+=(const CacheLayerStats &o);
 };
 
 /// The outcome of acquire() or prefetch().
@@ -72,16 +54,26 @@ class ExpertCache {
     ExpertCache(const ExpertCache &) = delete;
     ExpertCache &operator=(const ExpertCache &) = delete;
 
-    /// Bytes of one slot: the largest expert, rounded up to slot_alignment.
+    /// Bytes of each layer's slots, [n_layers]: the layer's largest expert rounded up to slot_alignment.
+    /// Layers of a mixed-type file differ (Q4_K_M keeps some layers' down projections in Q6_K), so the
+    /// budget buys slots of each layer's own size (docs/decisions/0063).
+    static std::vector<uint64_t> layer_slot_bytes_for(const ExpertCacheConfig &config);
+    /// The largest slot (of any layer).
     static uint64_t slot_bytes_for(const ExpertCacheConfig &config);
-    /// The smallest non-zero budget: n_layers x top_k slots.
+    /// The smallest non-zero budget: top_k slots in every layer.
     static uint64_t min_budget_bytes(const ExpertCacheConfig &config);
+    /// Device bytes the slot pool takes for the config's budget and split (<= budget_bytes).
+    static uint64_t pool_bytes_for(const ExpertCacheConfig &config);
 
     int32_t n_layers() const { return layout_.n_layers; }
     int32_t n_experts() const { return layout_.n_experts; }
     int32_t n_slots() const { return layout_.total_slots(); }
     int32_t layer_slots(int32_t layer) const { return layout_.n_slots[size_t(layer)]; }
+    /// The largest slot; slot_bytes(layer): the layer's slots.
     uint64_t slot_bytes() const { return slot_bytes_; }
+    uint64_t slot_bytes(int32_t layer) const { return layer_slot_bytes_[size_t(layer)]; }
+    /// Device bytes of all slots.
+    uint64_t pool_bytes() const { return pool_bytes_; }
     uint64_t expert_bytes(int32_t layer, int32_t expert) const;
     EvictionPolicyKind policy() const { return config_.policy; }
     /// Experts each token routes to (ExpertCacheConfig::top_k).
@@ -100,6 +92,9 @@ class ExpertCache {
     SlotGrant prefetch(int32_t layer, int32_t expert);
     /// Starts a prefetch round (one per step and predictor call).
     void begin_prefetch_round() { ++prefetch_round_; }
+    /// Keeps a resident expert from being evicted by prefetches of this round (the plan predicts it too).
+    /// No effect when it is not resident.
+    void protect(int32_t layer, int32_t expert);
     /// Unpins every slot acquired for `layer`.
     void release_layer(int32_t layer);
     /// Keeps the expert resident for good (home tier GPU in the placement plan); no counters. Returns the
@@ -110,7 +105,7 @@ class ExpertCache {
     /// The copy engine ticket of the slot's last load (invalid if none).
     void set_ticket(int32_t slot, Ticket ticket) { slots_[size_t(slot)].ticket = ticket; }
     Ticket ticket(int32_t slot) const { return slots_[size_t(slot)].ticket; }
-    /// Device address of the slot's slot_bytes() bytes (nullptr without a backend).
+    /// Device address of the slot's slot_bytes(slot_layer(slot)) bytes (nullptr without a backend).
     void *slot_data(int32_t slot) const;
     int32_t slot_expert(int32_t slot) const { return slots_[size_t(slot)].expert; }
     int32_t slot_layer(int32_t slot) const { return slots_[size_t(slot)].layer; }
@@ -120,18 +115,23 @@ class ExpertCache {
     int32_t layer_fixed(int32_t layer) const { return fixed_count_[size_t(layer)]; }
 
     /// Counts n routed experts of the layer that ran on the CPU.
-    void record_cpu(int32_t layer, uint64_t n = 1) { stats_[size_t(layer)].cpu_runs += n; }
+    void record_cpu(int32_t layer, uint64_t n = 1) { stats_.at(layer).cpu_runs += n; }
     /// Adds time the layer's compute waited for expert bytes, microseconds.
-    void record_stall(int32_t layer, double us) { stats_[size_t(layer)].stall_us += us; }
-    const CacheLayerStats &stats(int32_t layer) const { return stats_[size_t(layer)]; }
-    CacheLayerStats total_stats() const;
-    void reset_stats();
+    void record_stall(int32_t layer, double us) { stats_.at(layer).stall_us += us; }
+    /// The layer's counters: the table's own, and the executor's and scheduler's, which write them here
+    /// (the cache holds the runtime's one per-layer table).
+    const LayerStats &stats(int32_t layer) const { return stats_.at(layer); }
+    LayerStats &layer_stats(int32_t layer) { return stats_.at(layer); }
+    LayerStats total_stats() const { return stats_.total(); }
+    /// Zeroes every counter of every layer.
+    void reset_stats() { stats_.reset(); }
 
     /// One line: budget, slots, slot size, policy.
     std::string describe() const;
-    /// A table with one row per layer and a total row (printed at exit).
-    std::string stats_table() const;
-    /// {"layers": [{...per layer...}], "total": {...}} with the counter names of CacheLayerStats.
+    /// A table with one row per layer and a total row (printed at exit; LayerStatsTable::text).
+    std::string stats_table() const { return stats_.text(); }
+    /// {"policy", "slot_bytes", "budget_bytes", "layers": [{...per layer...}], "total": {...}} with the
+    /// field names of LayerStats.
     nlohmann::json stats_json() const;
 
   private:
@@ -142,6 +142,7 @@ class ExpertCache {
         bool fixed = false;       // never evicted (fix())
         bool prefetched = false;  // loaded by prefetch and not used since
         uint64_t round = 0;       // prefetch round of the load
+        uint64_t protect_round = 0;  // prefetch round in which prefetches may not evict it (protect())
         uint64_t bytes = 0;       // bytes of the resident expert
         Ticket ticket;            // its load
     };
@@ -156,18 +157,25 @@ class ExpertCache {
     void install(int32_t slot, int32_t layer, int32_t expert, bool prefetch);
     void pin(int32_t slot);
 
+    /// Slots per layer for the config's budget (slots_per_layer, or the even split of decision 0031 in
+    /// slots of each layer's size); throws prescope::Error when they do not fit the budget.
+    static std::vector<int32_t> split_slots(const ExpertCacheConfig &config, const std::vector<uint64_t> &slot_bytes);
+
     ExpertCacheConfig config_;
     SlotLayout layout_;
-    uint64_t slot_bytes_ = 0;
+    uint64_t slot_bytes_ = 0;                 // the largest of layer_slot_bytes_
+    std::vector<uint64_t> layer_slot_bytes_;  // [n_layers]
+    std::vector<uint64_t> slot_offset_;       // [n_slots] byte offset of each slot in the pool
+    uint64_t pool_bytes_ = 0;
     Backend *backend_ = nullptr;
-    uint8_t *pool_ = nullptr;                 // [n_slots * slot_bytes] device memory, owned
+    uint8_t *pool_ = nullptr;                 // [pool_bytes] device memory, owned
     std::vector<Slot> slots_;                 // [n_slots]
     std::vector<int32_t> map_;                // [n_layers * n_experts] -> slot or -1
     std::vector<uint8_t> evictable_;          // [n_slots] occupied, unpinned, not fixed
     std::vector<uint8_t> prefetch_mask_;      // [n_slots] scratch: evictable and not prefetched this round
     std::vector<std::vector<int32_t>> free_;  // [n_layers] free slots (capacity = layer slots)
     std::vector<std::vector<int32_t>> pinned_;// [n_layers] slots pinned by the running layer
-    std::vector<CacheLayerStats> stats_;      // [n_layers]
+    LayerStatsTable stats_;                   // [n_layers]
     std::vector<int32_t> fixed_count_;        // [n_layers] fixed slots
     std::unique_ptr<EvictionPolicy> policy_;
     uint64_t prefetch_round_ = 1;

@@ -64,10 +64,10 @@ void ExpertLoader::begin_layer(LayerDecision &d) {
     if (d.n_cpu > 0) cache_.record_cpu(d.layer, uint64_t(d.n_cpu));
 }
 
-double ExpertLoader::wait_experts(const LayerDecision &d, Stream compute) {
+double ExpertLoader::wait_experts(const LayerDecision &d, Stream compute, bool hits, bool fetches) {
     double blocked_us = 0;
     for (const RoutedExpert &r : d.experts) {
-        if (r.action == ExpertAction::CPU || r.action == ExpertAction::STREAM) continue;
+        if (!(r.action == ExpertAction::HIT && hits) && !(r.action == ExpertAction::FETCH && fetches)) continue;
         PRESCOPE_ASSERT(r.slot >= 0);
         Ticket t = cache_.ticket(r.slot);
         if (t.valid()) blocked_us += engine_.stream_wait(t, compute);
@@ -81,16 +81,22 @@ void ExpertLoader::end_layer(int32_t layer, Stream compute) {
     cache_.release_layer(layer);
 }
 
-int32_t ExpertLoader::prefetch(std::span<const PrefetchRequest> wanted, int32_t max_per_layer) {
+int32_t ExpertLoader::prefetch(std::span<const PrefetchRequest> wanted, int32_t max_per_layer,
+                               std::span<const PrefetchRequest> keep, std::span<int32_t> slots) {
+    PRESCOPE_ASSERT(slots.empty() || slots.size() == wanted.size());
     cache_.begin_prefetch_round();
+    for (const PrefetchRequest &k : keep) cache_.protect(k.layer, k.expert);
     std::fill(prefetched_.begin(), prefetched_.end(), 0);
+    std::fill(slots.begin(), slots.end(), -1);
     int32_t queued = 0;
-    for (const PrefetchRequest &w : wanted) {
+    for (size_t i = 0; i < wanted.size(); ++i) {
+        const PrefetchRequest &w = wanted[i];
         PRESCOPE_ASSERT(w.layer >= 0 && w.layer < cache_.n_layers() && w.expert >= 0 && w.expert < cache_.n_experts());
         if (plan_.at(w.layer, w.expert).exec == ExecSite::CPU || cache_.find(w.layer, w.expert) >= 0) continue;
         if (prefetched_[size_t(w.layer)] >= max_per_layer) continue;
         SlotGrant g = cache_.prefetch(w.layer, w.expert);
         if (!g.load) continue;
+        if (!slots.empty()) slots[i] = g.slot;
         load(w.layer, w.expert, g, CopyPriority::PREFETCH);
         ++prefetched_[size_t(w.layer)];
         ++queued;

@@ -43,15 +43,18 @@ class ExpertLoader {
     /// of a decision per wave, each after end_layer of the wave before. Throws prescope::Error when the
     /// layer has fewer slots than GPU experts.
     void begin_layer(LayerDecision &d);
-    /// Makes `compute` wait (on the device) for every HIT and FETCH expert of d. The host blocks only until their
-    /// copies are issued; that time is added to the layer's stall counter. Returns it, microseconds.
-    double wait_experts(const LayerDecision &d, Stream compute);
+    /// Makes `compute` wait (on the device) for the HIT (if hits) and FETCH (if fetches) experts of d. The host
+    /// blocks only until their copies are issued; that time is added to the layer's stall counter. Returns it,
+    /// microseconds.
+    double wait_experts(const LayerDecision &d, Stream compute, bool hits = true, bool fetches = true);
     /// Records the layer's compute event on `compute` and unpins the layer's slots.
     void end_layer(int32_t layer, Stream compute);
     /// Starts a prefetch round and queues loads for `wanted` in order (sort by score first), at most
-    /// max_per_layer new loads per layer, skipping resident experts and those the plan runs on the CPU.
-    /// Returns the loads queued.
-    int32_t prefetch(std::span<const PrefetchRequest> wanted, int32_t max_per_layer);
+    /// max_per_layer new loads per layer, skipping resident experts and those the plan runs on the CPU. The
+    /// resident experts in `keep` are not evicted for them in this round. slots (empty, or wanted.size()):
+    /// the slot each request got, -1 for none. Returns the loads queued.
+    int32_t prefetch(std::span<const PrefetchRequest> wanted, int32_t max_per_layer,
+                     std::span<const PrefetchRequest> keep = {}, std::span<int32_t> slots = {});
 
     /// Device address of the expert's bytes in its slot (after begin_layer set d's slots).
     const void *slot_data(int32_t slot) const { return cache_.slot_data(slot); }

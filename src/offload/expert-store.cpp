@@ -12,6 +12,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 
 namespace prescope {
@@ -189,11 +190,29 @@ ExpertViews ExpertStore::canonical_views(const ExpertLayout &x, const void *byte
 }
 
 std::string ExpertStore::describe() const {
-    const ExpertLayout &x = layouts_.front();
-    return fmt::format("expert store: {} layers x {} experts of {} ({}/{}/{}); {} page-locked, {} pageable, "
+    // Mixed-type files give layers of different expert sizes and gate/up/down types: each combination once,
+    // with its expert size and number of layers.
+    std::vector<std::pair<const ExpertLayout *, int>> kinds;
+    for (const ExpertLayout &x : layouts_) {
+        auto it = std::find_if(kinds.begin(), kinds.end(), [&](const auto &k) {
+            return k.first->gate_type == x.gate_type && k.first->up_type == x.up_type &&
+                   k.first->down_type == x.down_type && k.first->bytes == x.bytes;
+        });
+        if (it == kinds.end()) {
+            kinds.emplace_back(&x, 1);
+        } else {
+            ++it->second;
+        }
+    }
+    std::string parts;
+    for (const auto &[x, n] : kinds) {
+        parts += fmt::format("{}{} ({}/{}/{}){}", parts.empty() ? "" : ", ", format_byte_size(x->bytes),
+                             dtype_name(x->gate_type), dtype_name(x->up_type), dtype_name(x->down_type),
+                             kinds.size() > 1 ? fmt::format(" in {} layers", n) : "");
+    }
+    return fmt::format("expert store: {} layers x {} experts of {}; {} page-locked, {} pageable, "
                        "{} of the file mapping released{}",
-                       n_layers_, n_experts_, format_byte_size(x.bytes), dtype_name(x.gate_type),
-                       dtype_name(x.up_type), dtype_name(x.down_type), format_byte_size(pinned_bytes()),
+                       n_layers_, n_experts_, parts, format_byte_size(pinned_bytes()),
                        format_byte_size(pageable_bytes()), format_byte_size(dropped_bytes_),
                        pin_refused() ? " (page-locking refused)" : "");
 }

@@ -29,15 +29,16 @@ int64_t parse_int(std::string_view value, int64_t lo, int64_t hi, std::string_vi
 
 const std::vector<std::string> &OffloadConfig::keys() {
     static const std::vector<std::string> k = {
-        "gpu_cache",        "cache_policy",       "cpu_threshold", "stream_min_batch", "prefetch_window",
-        "prefetch_max_per_layer",
-        "predict_max_tokens", "predictor",        "placement",     "routing_trace",    "gpu_device",
-        "copy_chunk",       "copy_queue_depth",   "copy_bandwidth_cap"};
+        "gpu_cache",          "cache_policy",     "cpu_threshold",      "stream_min_batch",  "prefetch_window",
+        "prefetch_max_per_layer", "prefetch_in_flight", "predict_max_tokens", "predictor",  "placement",
+        "routing_trace",      "gpu_device",       "copy_chunk",         "copy_queue_depth",  "copy_bandwidth_cap",
+        "cost_profile",       "load_balance",     "numa",               "dump_layer_states"};
     return k;
 }
 
 void OffloadConfig::set(std::string_view key, std::string_view value, std::string_view source) {
     const std::string where = fmt::format("{}: {}", source, key);
+    if (std::find(keys().begin(), keys().end(), key) != keys().end()) given.emplace_back(key, source);
     if (key == "gpu_cache") {
         gpu_cache_bytes = parse_byte_size(value, where);
         gpu = true;
@@ -48,7 +49,7 @@ void OffloadConfig::set(std::string_view key, std::string_view value, std::strin
             fail("{}: {}", where, e.what());
         }
     } else if (key == "cpu_threshold") {
-        cpu_threshold = int32_t(parse_int(value, 0, 1 << 30, source, key));
+        cpu_threshold = value == "auto" ? -1 : int32_t(parse_int(value, 0, 1 << 30, source, key));
     } else if (key == "stream_min_batch") {
         stream_min_batch = int32_t(parse_int(value, 0, 1 << 30, source, key));
     } else if (key == "prefetch_window") {
@@ -73,6 +74,22 @@ void OffloadConfig::set(std::string_view key, std::string_view value, std::strin
         copy.queue_depth = int32_t(parse_int(value, 1, 1024, source, key));
     } else if (key == "copy_bandwidth_cap") {
         copy.bandwidth_cap_bytes_per_s = double(parse_byte_size(value, where));
+    } else if (key == "cost_profile") {
+        cost_profile = std::string(value);
+    } else if (key == "load_balance") {
+        if (value != "on" && value != "off" && value != "true" && value != "false") {
+            fail("{}: expected on or off, got '{}'", where, value);
+        }
+        load_balance = value == "on" || value == "true";
+    } else if (key == "prefetch_in_flight") {
+        prefetch_in_flight = int32_t(parse_int(value, 1, 1024, source, key));
+    } else if (key == "numa") {
+        if (value != "gpu" && value != "distribute" && value != "isolate" && value != "numactl") {
+            fail("{}: expected gpu, distribute, isolate or numactl, got '{}'", where, value);
+        }
+        numa = std::string(value);
+    } else if (key == "dump_layer_states") {
+        dump_layer_states = std::string(value);
     } else {
         fail("{}: unknown key '{}' (known: {})", source, key, fmt::join(keys(), ", "));
     }
@@ -91,15 +108,53 @@ void OffloadConfig::load_yaml(const std::string &path) {
         // Keys and values must be plain scalars (YAML also allows sequences and maps as keys).
         if (!kv.first.IsScalar()) fail("{}: expected a mapping of key: value lines, found a key that is not a name", path);
         const std::string key = kv.first.Scalar();
+        if (kv.second.IsMap() && std::find(keys().begin(), keys().end(), key) == keys().end()) {
+            // A section of keys (the seed's `optimization: {...}`).
+            for (const auto &inner : kv.second) {
+                if (!inner.first.IsScalar()) fail("{}: {}: expected key: value lines, found a key that is not a name", path, key);
+                const std::string k = inner.first.Scalar();
+                if (!inner.second.IsScalar()) fail("{}: {}.{}: expected a single value", path, key, k);
+                set(k, inner.second.Scalar(), fmt::format("{} ({})", path, key));
+            }
+            continue;
+        }
         if (!kv.second.IsScalar()) fail("{}: {}: expected a single value", path, key);
         set(key, kv.second.Scalar(), path);
     }
 }
 
+std::string OffloadConfig::no_effect(std::string_view key) const {
+    if (key == "gpu_cache" || key == "routing_trace") return {};
+    if (!gpu) return "no GPU (gpu_cache / --gpu-expert-budget not set): the CPU engine runs every expert itself";
+    if (key == "gpu_device" || key == "numa" || key == "placement") return {};
+    if (gpu_cache_bytes == 0) return "gpu_cache is 0: every expert runs on the CPU";
+    const bool threshold = cpu_threshold >= 0;
+    if (threshold && (key == "cost_profile" || key == "load_balance" || key == "prefetch_in_flight")) {
+        return "cpu_threshold is set: the threshold rule decides, not the cost model";
+    }
+    const bool prefetch_keys = key == "prefetch_window" || key == "prefetch_max_per_layer" ||
+                               key == "prefetch_in_flight" || key == "predict_max_tokens";
+    if (predictor == "none" && prefetch_keys) return "predictor is none: nothing is prefetched";
+    if (prefetch_window == 0 && (prefetch_keys || key == "predictor") && key != "prefetch_window") {
+        return "prefetch_window is 0: nothing is prefetched";
+    }
+    return {};
+}
+
+std::vector<std::string> OffloadConfig::no_effect_warnings() const {
+    std::vector<std::string> out;
+    for (const auto &[key, source] : given) {
+        const std::string why = no_effect(key);
+        const std::string line = fmt::format("{}: {} has no effect: {}", source, key, why);
+        if (!why.empty() && std::find(out.begin(), out.end(), line) == out.end()) out.push_back(line);
+    }
+    return out;
+}
+
 std::string OffloadConfig::get(std::string_view key) const {
     if (key == "gpu_cache") return gpu ? format_byte_size(gpu_cache_bytes) : "off (CPU only)";
     if (key == "cache_policy") return eviction_policy_name(cache_policy);
-    if (key == "cpu_threshold") return std::to_string(cpu_threshold);
+    if (key == "cpu_threshold") return cpu_threshold < 0 ? "auto (cost-model scheduler)" : std::to_string(cpu_threshold);
     if (key == "stream_min_batch") return stream_min_batch ? std::to_string(stream_min_batch) : "0 (never)";
     if (key == "prefetch_window") return std::to_string(prefetch_window);
     if (key == "prefetch_max_per_layer") return prefetch_max_per_layer ? std::to_string(prefetch_max_per_layer) : "top_k";
@@ -114,6 +169,13 @@ std::string OffloadConfig::get(std::string_view key) const {
         return copy.bandwidth_cap_bytes_per_s > 0 ? fmt::format("{:.2f} GB/s", copy.bandwidth_cap_bytes_per_s / 1e9)
                                                   : "none";
     }
+    if (key == "cost_profile") {
+        return cost_profile.empty() ? "built-in H200 reference (GPU, link), CPU measured at start-up" : cost_profile;
+    }
+    if (key == "load_balance") return load_balance ? "on" : "off";
+    if (key == "prefetch_in_flight") return std::to_string(prefetch_in_flight);
+    if (key == "numa") return numa;
+    if (key == "dump_layer_states") return dump_layer_states.empty() ? "off" : dump_layer_states;
     PRESCOPE_ASSERT(false && "unknown offload config key");
     return {};
 }
@@ -141,6 +203,11 @@ nlohmann::json OffloadConfig::to_json() const {
     j["copy_chunk_bytes"] = copy.chunk_bytes;
     j["copy_queue_depth"] = copy.queue_depth;
     j["copy_bandwidth_cap_bytes_per_s"] = copy.bandwidth_cap_bytes_per_s;
+    j["cost_profile"] = cost_profile;
+    j["load_balance"] = load_balance;
+    j["prefetch_in_flight"] = prefetch_in_flight;
+    j["numa"] = numa;
+    j["dump_layer_states"] = dump_layer_states;
     return j;
 }
 

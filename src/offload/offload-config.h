@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace prescope {
@@ -18,7 +19,8 @@ struct OffloadConfig {
     bool gpu = false;                  // run on the GPU (set by gpu_cache / --gpu-expert-budget)
     uint64_t gpu_cache_bytes = 0;      // gpu_cache: GPU memory for expert slots; 0 = every expert on the CPU
     EvictionPolicyKind cache_policy = EvictionPolicyKind::LRU;  // cache_policy: lru | lfu | arc
-    int32_t cpu_threshold = 0;         // a missed expert runs on the CPU when fewer tokens chose it (0 = never)
+    int32_t cpu_threshold = -1;        // -1 ("auto"): the cost-model scheduler decides; >= 0: the manual override,
+                                       // a missed expert runs on the CPU when fewer tokens chose it (0 = never)
     int32_t stream_min_batch = 32;     // batches this large stream what finds no slot through the slots in
                                        // waves instead of the CPU (0 = never; placement.h HybridRule)
     int32_t prefetch_window = 1;       // layers ahead the predictor prefetches for (0 = no prefetch)
@@ -29,15 +31,30 @@ struct OffloadConfig {
     std::string routing_trace;         // .pstrace: replay its routing instead of the router's (benchmarks)
     int32_t gpu_device = 0;            // CUDA device index
     CopyEngineConfig copy;             // copy_chunk, copy_queue_depth, copy_bandwidth_cap
+    std::string cost_profile;          // cost profile JSON (prescope calibrate); empty = the built-in H200 reference
+                                       // for the GPU and link terms, the CPU terms measured at start-up
+    bool load_balance = true;          // correct the cost model online from measured times
+    int32_t prefetch_in_flight = 8;    // prefetch requests outstanding at most (cost rule)
+    std::string numa = "gpu";          // gpu | distribute | isolate | numactl (runtime/numa.h)
+    std::string dump_layer_states;     // write every layer's scheduler state here (JSON lines; schedule-check)
+
+    /// Keys set through set() (file or flags), in order, with where they came from.
+    std::vector<std::pair<std::string, std::string>> given;
 
     /// The keys set() accepts, in the order describe() prints them.
     static const std::vector<std::string> &keys();
     /// Sets one key from its text form (sizes as parse_byte_size reads them; bandwidth as a size per
     /// second, e.g. "20GB"). Throws prescope::Error "SOURCE: KEY: what was expected" on a bad key or value.
     void set(std::string_view key, std::string_view value, std::string_view source);
-    /// Applies every key of a YAML mapping file (scalars only). Throws prescope::Error naming the file and
-    /// the key on unknown keys, bad values or unreadable YAML.
+    /// Applies every key of a YAML mapping file: flat `key: value` lines, or keys grouped under a section
+    /// (`optimization: {prefetch_window: 3, cpu_threshold: 16, gpu_cache: 12GB}`, the seed's form; the section
+    /// name is free). Throws prescope::Error naming the file and the key on unknown keys, bad values, nesting
+    /// deeper than one section, or unreadable YAML.
     void load_yaml(const std::string &path);
+    /// Why a key that was set has no effect in this configuration ("" if it has one): no GPU, no GPU cache,
+    /// no predictor, the threshold rule... One line per given key without effect: "SOURCE: KEY has no effect: WHY".
+    std::string no_effect(std::string_view key) const;
+    std::vector<std::string> no_effect_warnings() const;
     /// The value of a key in set()'s text form.
     std::string get(std::string_view key) const;
     /// "key: value" lines, every key (the resolved config printed at start-up).

@@ -188,19 +188,30 @@ std::string LayerDecision::describe() const {
     return out;
 }
 
-void decide_layer(int32_t layer, std::span<const int32_t> routed, const PlacementPlan &plan,
-                  const ExpertCache *cache, const HybridRule &rule, LayerDecision &out) {
-    const int32_t E = plan.n_experts;
-    PRESCOPE_ASSERT(layer >= 0 && layer < plan.n_layers && out.tokens.size() == size_t(E));
-    PRESCOPE_ASSERT(!cache || (cache->n_layers() == plan.n_layers && cache->n_experts() == E));
+void count_routed(int32_t layer, std::span<const int32_t> routed, int32_t n_experts, LayerDecision &out) {
+    PRESCOPE_ASSERT(out.tokens.size() == size_t(n_experts));
     out.layer = layer;
     out.experts.clear();
     out.n_hit = out.n_fetch = out.n_cpu = out.n_stream = out.n_demoted = 0;
     std::fill(out.tokens.begin(), out.tokens.end(), 0);
     for (int32_t id : routed) {
-        PRESCOPE_ASSERT(id >= 0 && id < E);
+        PRESCOPE_ASSERT(id >= 0 && id < n_experts);
         ++out.tokens[size_t(id)];
     }
+    for (int32_t e = 0; e < n_experts; ++e) {
+        if (out.tokens[size_t(e)] > 0) out.experts.push_back({e, out.tokens[size_t(e)], ExpertAction::CPU, -1});
+    }
+    out.n_cpu = int32_t(out.experts.size());
+}
+
+void decide_layer(int32_t layer, std::span<const int32_t> routed, const PlacementPlan &plan,
+                  const ExpertCache *cache, const HybridRule &rule, LayerDecision &out) {
+    const int32_t E = plan.n_experts;
+    PRESCOPE_ASSERT(layer >= 0 && layer < plan.n_layers && out.tokens.size() == size_t(E));
+    PRESCOPE_ASSERT(!cache || (cache->n_layers() == plan.n_layers && cache->n_experts() == E));
+    count_routed(layer, routed, E, out);
+    out.experts.clear();
+    out.n_cpu = 0;
 
     int32_t room = cache ? cache->layer_slots(layer) - cache->layer_fixed(layer) : 0;
     int32_t n_candidates = 0;

@@ -89,9 +89,9 @@ struct RoutedExpert {
     int32_t slot = -1;     // GPU slot once acquired (ExpertLoader::begin_layer), else -1
 };
 
-/// What the runtime does with each routed expert of one layer in one step. Built by decide_layer()
-/// today; the scheduler (PreSched) will fill the same structure. Sized once by reserve(); no allocation
-/// per step.
+/// What the runtime does with each routed expert of one layer in one step: filled by the scheduler
+/// (offload/scheduler.h, the default) or by decide_layer() (--cpu-threshold). Sized once by reserve(); no
+/// allocation per step.
 struct LayerDecision {
     int32_t layer = -1;
     std::vector<RoutedExpert> experts;    // unique routed experts, ascending id
@@ -106,7 +106,7 @@ struct LayerDecision {
     std::string describe() const;
 };
 
-/// The rule issue 4 asks for, until the scheduler replaces it: an expert not resident runs on the CPU when
+/// The rule of issue 4, now the manual override `--cpu-threshold N`: an expert not resident runs on the CPU when
 /// fewer than cpu_threshold tokens were routed to it, else it is fetched. 0 = never on the CPU.
 /// In batches of at least stream_min_batch tokens (prefill), fetches that find no free slot are streamed
 /// through the layer's slots in waves instead of running on the CPU (docs/decisions/0036); 0 = never.
@@ -114,6 +114,11 @@ struct HybridRule {
     int32_t cpu_threshold = 0;
     int32_t stream_min_batch = 32;
 };
+
+/// Counts the tokens routed to each expert (out.tokens) and lists the routed experts in ascending id with their
+/// token counts (out.experts, action CPU, no slot); counters zero. routed: [n_tokens * top_k] ids in
+/// [0, n_experts). PRECONDITION: out.reserve(n_experts) was called.
+void count_routed(int32_t layer, std::span<const int32_t> routed, int32_t n_experts, LayerDecision &out);
 
 /// Fills `out` for one layer. routed: [n_tokens * top_k] expert ids from the router's top-k (any order).
 /// cache: the hot-expert table (read only), or null when there is no GPU cache (everything runs on CPU).

@@ -207,7 +207,7 @@ EvalResult evaluate_predictor(ScoringPredictor *p, const RoutingTrace &t, const 
         }
     }
     if (cache) {
-        const CacheLayerStats s = cache->total_stats();
+        const LayerStats s = cache->total_stats();
         r.hit_rate = s.hit_rate();
         r.prefetch_hit_share = s.hits ? double(s.prefetch_hits) / double(s.hits) : 0.0;
         r.prefetch_loads = s.prefetch_loads;

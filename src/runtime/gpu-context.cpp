@@ -10,9 +10,12 @@
 #include "backend/cuda/moe.cuh"
 #include "backend/cuda/norm.cuh"
 #include "backend/cuda/rope.cuh"
+#include "backend/cpu/ops.h"
 #include "core/error.h"
 #include "offload/byte-size.h"
 #include "offload/predictor-baselines.h"
+#include "runtime/calibrate.h"
+#include "runtime/numa.h"
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -130,17 +133,21 @@ void GpuContext::init() {
     if (cc.budget_bytes > 0 && cc.budget_bytes < ExpertCache::min_budget_bytes(cc)) {
         ExpertCache too_small(cc);  // throws the cache's message with the minimum
     }
-    const uint64_t pool_bytes = cc.budget_bytes / ExpertCache::slot_bytes_for(cc) * ExpertCache::slot_bytes_for(cc);
+    const uint64_t pool_bytes = ExpertCache::pool_bytes_for(cc);
 
     upload_weights();  // sizes weights_bytes_ and uploads
 
     const int64_t nb = params_.n_batch, k = hp.n_expert_used, n_embd = hp.n_embd;
     const int64_t n_q = hp.n_head * hp.head_dim, n_kv = hp.n_head_kv * hp.head_dim;
     const int64_t pairs = nb * k;
-    // A layer's waves (at most one per expert) split the expert arrays between them: 5 more alignments each.
-    meta_bytes_ = 3 * align_up(size_t(E) * sizeof(void *), 16) + align_up(size_t(E + 1) * 4, 16) +
-                  align_up(size_t(pairs) * 4, 16) + 2 * align_up(size_t(nb * (k + 1)) * 4, 16) +
-                  size_t(E) * (4 + 5 * 16);
+    CudaMoeDevice::Shape moe_shape;
+    moe_shape.n_embd = n_embd;
+    moe_shape.n_ff = n_ff;
+    moe_shape.n_batch = nb;
+    moe_shape.top_k = k;
+    moe_shape.n_experts = E;
+    moe_shape.n_ff_shexp = hp.shared_expert ? hp.n_ff_shexp : 0;
+    const uint64_t moe_bytes = CudaMoeDevice::device_bytes_for(moe_shape);
 
     // Workspace: the largest any op of a batch asks for (ops run in stream order and share it).
     size_t ws = 0;
@@ -180,14 +187,6 @@ void GpuContext::init() {
         v_cache_ = c.take<float>(size_t(hp.n_layer * params_.n_ctx * n_kv));
         router_logits_ = c.take<float>(size_t(nb * E));
         routing_dev_ = c.take<uint8_t>(routing_block(nb).bytes);
-        gate_ = c.take<float>(size_t(pairs * n_ff));
-        up_ = c.take<float>(size_t(pairs * n_ff));
-        pairs_ = c.take<float>(size_t((pairs + nb) * n_embd));
-        if (hp.shared_expert) {
-            sh_gate_ = c.take<float>(size_t(nb * hp.n_ff_shexp));
-            sh_up_ = c.take<float>(size_t(nb * hp.n_ff_shexp));
-        }
-        meta_dev_ = c.take<uint8_t>(meta_bytes_);
         tok_dev_ = c.take<int32_t>(size_t(2 * nb));
         logits_dev_ = c.take<float>(size_t(kLogitRows * hp.n_vocab));
         ws_.ptr = c.take<uint8_t>(ws);
@@ -199,12 +198,12 @@ void GpuContext::init() {
 
     const MemoryInfo mem = backend_->memory_info();
     const uint64_t reserve = uint64_t(256) << 20;  // cuBLAS, kernels, the driver's own allocations
-    if (arena_bytes_ + pool_bytes + reserve > mem.free_bytes) {
+    if (arena_bytes_ + moe_bytes + pool_bytes + reserve > mem.free_bytes) {
         fail("not enough GPU memory on {}: non-expert weights {} (already there) + KV cache and activations {} + "
-             "expert budget {} + {} reserve, but {} free of {}; lower --gpu-expert-budget, -c or -b",
+             "MoE buffers {} + expert budget {} + {} reserve, but {} free of {}; lower --gpu-expert-budget, -c or -b",
              backend_->name(), format_byte_size(weights_bytes_), format_byte_size(arena_bytes_),
-             format_byte_size(pool_bytes), format_byte_size(reserve), format_byte_size(mem.free_bytes),
-             format_byte_size(mem.total_bytes));
+             format_byte_size(moe_bytes), format_byte_size(pool_bytes), format_byte_size(reserve),
+             format_byte_size(mem.free_bytes), format_byte_size(mem.total_bytes));
     }
     arena_dev_ = backend_->alloc(MemoryKind::DEVICE, arena_bytes_);
     Carver real{static_cast<uint8_t *>(arena_dev_), 0};
@@ -214,9 +213,7 @@ void GpuContext::init() {
     Carver host_sizing;
     auto carve_host = [&](Carver &c) {
         routing_host_ = c.take<uint8_t>(routing_block(nb).bytes);
-        meta_host_ = c.take<uint8_t>(meta_bytes_);
         tok_host_ = c.take<int32_t>(size_t(2 * nb));
-        cpu_out_host_ = c.take<float>(size_t(pairs * n_embd));
         logits_host_ = c.take<float>(size_t(kLogitRows * hp.n_vocab));
     };
     carve_host(host_sizing);
@@ -237,6 +234,7 @@ void GpuContext::init() {
     logits_.reserve(size_t(hp.n_vocab));
 
     // Offloading: host tier, hot-expert table, copy engine, loader, predictor, hybrid block.
+    numa_text_ = apply_numa(config.numa, pci_numa_node(backend_->info().pci_bus_id));
     store_ = std::make_unique<ExpertStore>(model, backend_.get(), sc);
     cc.expert_bytes = store_->expert_bytes();
     cache_ = std::make_unique<ExpertCache>(cc, backend_.get());
@@ -247,14 +245,22 @@ void GpuContext::init() {
     predictor_ = make_predictor(config, model, config.predictor == "oracle" ? 1 : predict_tokens, replay_.get(),
                                 &oracle_);
     HybridMoeConfig hc;
-    hc.rule.cpu_threshold = config.cpu_threshold;
-    hc.rule.stream_min_batch = config.stream_min_batch;
-    hc.prefetch_window = predictor_ && cache_->n_slots() > 0 ? config.prefetch_window : 0;
-    hc.prefetch_max_per_layer = config.prefetch_max_per_layer;
+    hc.planner.cpu_threshold = config.cpu_threshold;
+    hc.planner.stream_min_batch = config.stream_min_batch;
+    hc.planner.prefetch_window = predictor_ && cache_->n_slots() > 0 ? config.prefetch_window : 0;
+    hc.planner.prefetch_max_per_layer = config.prefetch_max_per_layer;
+    hc.planner.max_prefetch_in_flight = config.prefetch_in_flight;
+    hc.planner.balance = config.load_balance;
+    hc.planner.dump_path = config.dump_layer_states;
     hc.predict_max_tokens = oracle_ ? 1 : predict_tokens;
-    MoeDevice &device = *this;  // the private base, named here where it is accessible
-    moe_ = std::make_unique<HybridMoe>(model, *store_, plan_, cache_.get(), loader_.get(), predictor_.get(), device,
-                                       backend_.get(), hc, nb, hp.shared_expert);
+    const CostModel cost = runtime_cost_model(model, config, cpu::get_threads(), 1.5, &cost_notes_);
+    std::vector<GpuSharedExpert> shared(static_cast<size_t>(L));
+    for (int32_t l = 0; l < L; ++l) {
+        shared[size_t(l)] = {layers_[size_t(l)].gate_shexp, layers_[size_t(l)].up_shexp, layers_[size_t(l)].down_shexp};
+    }
+    moe_device_ = std::make_unique<CudaMoeDevice>(*backend_, compute_, *store_, moe_shape, std::move(shared), ws_);
+    moe_ = std::make_unique<HybridMoe>(model, *store_, plan_, cache_.get(), loader_.get(), engine_.get(),
+                                       predictor_.get(), *moe_device_, backend_.get(), cost, hc, nb, hp.shared_expert);
     backend_->stream_synchronize(compute_);
     engine_->drain();  // the fixed experts' loads, so that the counters start from zero
     reset_stats();
@@ -268,6 +274,7 @@ void GpuContext::release() noexcept {
         // Work queued on the device may still read the buffers and wait on the loader's events.
         if (compute_) backend_->stream_synchronize(compute_);
         moe_.reset();
+        moe_device_.reset();
         loader_.reset();
         engine_.reset();
         cache_.reset();
@@ -476,8 +483,8 @@ void GpuContext::moe_block(int64_t il, int64_t n) {
         hp.shared_expert ? std::span<const float>(reinterpret_cast<const float *>(routing_host_ + b.shared_gate),
                                                   size_t(n))
                          : std::span<const float>();
-    cur_h_dev_ = h;
-    const NvtxRange range("moe: decide, copies, GPU experts, prefetch, CPU experts, combine");
+    moe_device_->set_layer(h, tmp_);
+    const NvtxRange range("moe: plan, copies, GPU experts, prefetch, CPU experts, combine");
     moe_->run_layer(int32_t(il), h_host, routing_, shared_gate);
     cuda::add(x_, tmp_, x_, n * hp.n_embd, stream());
 }
@@ -497,102 +504,6 @@ void GpuContext::output_head(int64_t first, int64_t rows, float *logits_out) {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// the device half of the hybrid MoE block
-
-void GpuContext::launch_gpu(const MoeStep &s) {
-    const HParams &hp = model_.hp();
-    const ExpertLayout &x = store_->layout(s.layer);
-    const cudaStream_t st = stream();
-    // Pack the wave's arrays into the pinned mirror; one host-to-device copy moves them. The waves of a layer
-    // fill consecutive parts of it (an earlier wave's copy may not have run yet); wave 0 starts over, since
-    // the host read the previous layer's routing, after its copies ran, before this layer began.
-    const size_t start = s.wave == 0 ? 0 : meta_used_;
-    size_t off = start;
-    auto put = [&](const void *src, size_t bytes) {
-        const size_t o = off;
-        if (bytes) std::memcpy(meta_host_ + o, src, bytes);
-        off = align_up(o + bytes, 16);
-        return o;
-    };
-    const int32_t n_gpu = s.wave_end - s.wave_begin;
-    const int32_t pair0 = s.gpu_offsets[size_t(s.wave_begin)];
-    const int64_t n_pairs = s.gpu_offsets[size_t(s.wave_end)] - pair0;
-    const size_t n_ptr = size_t(n_gpu) * sizeof(void *);
-    const size_t o_gate = off;
-    off = align_up(o_gate + n_ptr, 16);
-    const size_t o_up = off;
-    off = align_up(o_up + n_ptr, 16);
-    const size_t o_down = off;
-    off = align_up(o_down + n_ptr, 16);
-    auto *gate_w = reinterpret_cast<const void **>(meta_host_ + o_gate);
-    auto *up_w = reinterpret_cast<const void **>(meta_host_ + o_up);
-    auto *down_w = reinterpret_cast<const void **>(meta_host_ + o_down);
-    auto *offsets = reinterpret_cast<int32_t *>(meta_host_ + off);  // the wave's, from 0
-    const size_t o_off = off;
-    off = align_up(o_off + size_t(n_gpu + 1) * 4, 16);
-    for (int32_t i = 0; i < n_gpu; ++i) {
-        const auto *slot = static_cast<const uint8_t *>(s.gpu_expert[size_t(s.wave_begin + i)]);
-        gate_w[i] = slot;
-        up_w[i] = slot + x.up_offset;
-        down_w[i] = slot + x.down_offset;
-    }
-    for (int32_t i = 0; i <= n_gpu; ++i) offsets[i] = s.gpu_offsets[size_t(s.wave_begin + i)] - pair0;
-    const size_t o_rows = put(s.gpu_rows.data() + pair0, size_t(n_pairs) * 4);
-    if (s.wave == 0) {
-        const size_t o_pid = put(s.pair_ids.data(), size_t(s.n_tok * s.k_comb) * 4);
-        const size_t o_w = put(s.weights.data(), size_t(s.n_tok * s.k_comb) * 4);
-        cur_pair_ids_dev_ = reinterpret_cast<const int32_t *>(meta_dev_ + o_pid);
-        cur_weights_dev_ = reinterpret_cast<const float *>(meta_dev_ + o_w);
-    }
-    PRESCOPE_ASSERT(off <= meta_bytes_);
-    backend_->copy_h2d_async(meta_dev_ + start, meta_host_ + start, off - start, compute_);
-    meta_used_ = off;
-
-    if (n_gpu > 0) {
-        float *gate = gate_ + int64_t(pair0) * x.n_ff, *up = up_ + int64_t(pair0) * x.n_ff;
-        cuda::ExpertMatmul g;
-        g.n_expert = n_gpu;
-        g.offsets_dev = reinterpret_cast<const int32_t *>(meta_dev_ + o_off);
-        g.offsets_host = offsets;
-        g.rows_dev = reinterpret_cast<const int32_t *>(meta_dev_ + o_rows);
-        g.n_in = hp.n_embd;
-        g.n_out = x.n_ff;
-        g.type = x.gate_type;
-        g.w_dev = reinterpret_cast<const void *const *>(meta_dev_ + o_gate);
-        g.w_host = gate_w;
-        cuda::expert_matmul(g, cur_h_dev_, gate, ws_, st);
-        g.type = x.up_type;
-        g.w_dev = reinterpret_cast<const void *const *>(meta_dev_ + o_up);
-        g.w_host = up_w;
-        cuda::expert_matmul(g, cur_h_dev_, up, ws_, st);
-        cuda::swiglu(gate, up, gate, n_pairs * x.n_ff, st);
-        g.type = x.down_type;
-        g.n_in = x.n_ff;
-        g.n_out = hp.n_embd;
-        g.rows_dev = nullptr;  // the intermediates are already in pair order
-        g.w_dev = reinterpret_cast<const void *const *>(meta_dev_ + o_down);
-        g.w_host = down_w;
-        cuda::expert_matmul(g, gate, pairs_ + int64_t(pair0) * hp.n_embd, ws_, st);
-    }
-    if (s.wave == 0 && s.k_comb > s.k) {
-        const DevLayer &l = layers_[size_t(s.layer)];
-        matmul(l.gate_shexp, cur_h_dev_, s.n_tok, sh_gate_);
-        matmul(l.up_shexp, cur_h_dev_, s.n_tok, sh_up_);
-        cuda::swiglu(sh_gate_, sh_up_, sh_gate_, s.n_tok * hp.n_ff_shexp, st);
-        matmul(l.down_shexp, sh_gate_, s.n_tok, pairs_ + (s.n_gpu_pairs + s.n_cpu_pairs) * hp.n_embd);
-    }
-}
-
-void GpuContext::combine(const MoeStep &s) {
-    const int64_t n_embd = model_.hp().n_embd;
-    if (s.n_cpu_pairs > 0) {
-        backend_->copy_h2d_async(pairs_ + s.n_gpu_pairs * n_embd, cpu_out_host_, size_t(s.n_cpu_pairs * n_embd) * 4,
-                                 compute_);
-    }
-    cuda::moe_combine(pairs_, cur_pair_ids_dev_, cur_weights_dev_, s.n_tok, s.k_comb, n_embd, false, tmp_, stream());
-}
-
-// ---------------------------------------------------------------------------------------------------------------
 // reports
 
 std::string GpuContext::startup_text() const {
@@ -602,23 +513,32 @@ std::string GpuContext::startup_text() const {
     out += fmt::format("model: {} | {} layers, {} experts, top-{} | expert {} | non-expert weights on the GPU {}\n",
                        hp.arch, hp.n_layer, hp.n_expert, hp.n_expert_used,
                        format_byte_size(store_->layout(0).bytes), format_byte_size(weights_bytes_));
-    out += fmt::format("GPU memory: weights {} + KV cache and activations {} + expert slots {} | host transfers: {}\n",
+    out += fmt::format("GPU memory: weights {} + KV cache and activations {} + MoE buffers {} + expert slots {} | "
+                       "host transfers: {}\n",
                        format_byte_size(weights_bytes_), format_byte_size(arena_bytes_),
-                       format_byte_size(uint64_t(cache_->n_slots()) * cache_->slot_bytes()),
-                       pinned_ ? "pinned " + format_byte_size(pinned_bytes_) : std::string("pageable (pinning refused)"));
+                       format_byte_size(moe_device_->device_bytes()),
+                       format_byte_size(cache_->pool_bytes()),
+                       pinned_ && moe_device_->host_pinned()
+                           ? "pinned " + format_byte_size(pinned_bytes_ + moe_device_->host_bytes())
+                           : std::string("pageable (pinning refused)"));
     out += store_->describe() + "\n";
     out += cache_->describe() + "\n";
     out += plan_.summary();
     if (!out.ends_with('\n')) out += '\n';
-    out += fmt::format("predictor: {} (window {}) | cpu_threshold {} | stream_min_batch {} | copy engine: chunk {}, "
+    out += fmt::format("predictor: {} (window {}) | plan: {} | stream_min_batch {} | copy engine: chunk {}, "
                        "depth {}{}\n",
                        predictor_ ? predictor_->name() : "none", predictor_ ? config_.prefetch_window : 0,
-                       config_.cpu_threshold, config_.stream_min_batch, format_byte_size(config_.copy.chunk_bytes),
+                       config_.cpu_threshold < 0 ? std::string("cost-model scheduler")
+                                                 : fmt::format("threshold rule, cpu_threshold {}", config_.cpu_threshold),
+                       config_.stream_min_batch, format_byte_size(config_.copy.chunk_bytes),
                        config_.copy.queue_depth,
                        config_.copy.bandwidth_cap_bytes_per_s > 0
                            ? fmt::format(", cap {:.2f} GB/s", config_.copy.bandwidth_cap_bytes_per_s / 1e9)
                            : std::string());
     out += (replay_ ? replay_->describe() : std::string("routing: the model's router")) + "\n";
+    out += moe_->planner()->cost().describe();
+    out += fmt::format("  terms: {}\n", cost_notes_);
+    out += numa_text_;
     return out;
 }
 
@@ -642,14 +562,12 @@ CopyStats minus(CopyStats a, const CopyStats &b) {
 void GpuContext::reset_stats() {
     cache_->reset_stats();
     copy_base_ = engine_->stats();
-    moe_base_ = moe_->stats();
     tokens_prefill_ = tokens_decode_ = 0;
 }
 
 std::string GpuContext::stats_text() const {
-    const CacheLayerStats t = cache_->total_stats();
+    const LayerStats t = cache_->total_stats();
     const CopyStats c = minus(engine_->stats(), copy_base_);
-    const HybridMoeStats &m = moe_->stats();
     const int64_t tokens = tokens_prefill_ + tokens_decode_;
     std::string out = fmt::format("offload counters: {} tokens ({} prefill, {} decode)\n", tokens, tokens_prefill_,
                                   tokens_decode_);
@@ -657,9 +575,8 @@ std::string GpuContext::stats_text() const {
     out += fmt::format("hit rate {:.1f}% | prefetch hits {} | wasted prefetch {} | demand misses {} | CPU runs {} | "
                        "stall {:.2f} ms (device waits {:.2f} ms, waits for copy issue {:.2f} ms)\n",
                        100.0 * t.hit_rate(), t.prefetch_hits, format_byte_size(t.wasted_prefetch_bytes),
-                       t.demand_misses, t.cpu_runs, t.stall_us * 1e-3,
-                       (m.device_stall_us - moe_base_.device_stall_us) * 1e-3,
-                       (m.wait_issue_us - moe_base_.wait_issue_us) * 1e-3);
+                       t.demand_misses, t.cpu_runs, t.stall_us * 1e-3, t.device_stall_us * 1e-3,
+                       t.wait_issue_us * 1e-3);
     out += fmt::format("PCIe: {} host-to-device ({} demand, {} prefetch), {:.2f} GB/s while copying, {} per token; "
                        "requests {} done, {} cancelled, {} promoted\n",
                        format_byte_size(c.bytes_done), format_byte_size(c.bytes_demand),
@@ -667,22 +584,26 @@ std::string GpuContext::stats_text() const {
                        format_byte_size(tokens ? c.bytes_done / uint64_t(tokens) : 0), c.requests_done,
                        c.requests_cancelled, c.requests_promoted);
     out += fmt::format("host: CPU experts {:.1f} ms, predictor and prefetch {:.1f} ms | streamed {} experts in {} "
-                       "waves\n",
-                       (m.cpu_expert_us - moe_base_.cpu_expert_us) * 1e-3, (m.predict_us - moe_base_.predict_us) * 1e-3,
-                       m.streamed - moe_base_.streamed, m.stream_waves - moe_base_.stream_waves);
+                       "waves | split layers {}\n",
+                       t.cpu_expert_us * 1e-3, t.predict_us * 1e-3, t.streamed, t.stream_waves, t.split_steps);
+    const CostCorrections &k = moe_->planner()->balancer().corrections();
+    out += fmt::format("scheduler: predicted critical path {:.2f} ms, CPU-GPU finish gap {:.2f} ms (|gap| {:.2f} ms), "
+                       "prefetches planned {}, corrections {} (now cpu x{:.3f} gpu x{:.3f} link x{:.3f})\n",
+                       t.predicted_us * 1e-3, t.finish_gap_us * 1e-3, t.finish_gap_abs_us * 1e-3, t.prefetch_planned,
+                       t.corrections, k.cpu, k.gpu, k.link);
     if (replay_) out += fmt::format("routing: {} tokens replayed from {}\n", replay_->tokens_replayed(), replay_->path());
     return out;
 }
 
 nlohmann::json GpuContext::stats_json() const {
-    const CacheLayerStats t = cache_->total_stats();
+    const LayerStats t = cache_->total_stats();
     const CopyStats c = minus(engine_->stats(), copy_base_);
-    const HybridMoeStats &m = moe_->stats();
     const int64_t tokens = tokens_prefill_ + tokens_decode_;
     nlohmann::json j;
     j["routing"] = routing_source(replay_.get());
     j["device"] = backend_->name();
-    j["gpu_mem_gib"] = double(weights_bytes_ + arena_bytes_ + uint64_t(cache_->n_slots()) * cache_->slot_bytes()) /
+    j["gpu_mem_gib"] = double(weights_bytes_ + arena_bytes_ + moe_device_->device_bytes() +
+                              cache_->pool_bytes()) /
                        double(uint64_t(1) << 30);
     j["expert_slots"] = cache_->n_slots();
     j["hit_rate"] = t.hit_rate();
@@ -691,11 +612,15 @@ nlohmann::json GpuContext::stats_json() const {
     j["pcie_bytes_per_token"] = tokens ? double(c.bytes_done) / double(tokens) : 0.0;
     j["tokens"] = tokens;
     j["stall_ms"] = t.stall_us * 1e-3;
-    j["device_stall_ms"] = (m.device_stall_us - moe_base_.device_stall_us) * 1e-3;
-    j["cpu_expert_ms"] = (m.cpu_expert_us - moe_base_.cpu_expert_us) * 1e-3;
-    j["predict_ms"] = (m.predict_us - moe_base_.predict_us) * 1e-3;
-    j["streamed_experts"] = m.streamed - moe_base_.streamed;
-    j["stream_waves"] = m.stream_waves - moe_base_.stream_waves;
+    j["device_stall_ms"] = t.device_stall_us * 1e-3;
+    j["cpu_expert_ms"] = t.cpu_expert_us * 1e-3;
+    j["predict_ms"] = t.predict_us * 1e-3;
+    j["streamed_experts"] = t.streamed;
+    j["stream_waves"] = t.stream_waves;
+    j["split_layers"] = t.split_steps;
+    j["finish_gap_ms"] = t.finish_gap_us * 1e-3;
+    j["corrections"] = t.corrections;
+    j["cost_model"] = moe_->planner()->cost().to_json();
     j["copy"] = {{"bytes_done", c.bytes_done},
                  {"bytes_demand", c.bytes_demand},
                  {"bytes_prefetch", c.bytes_prefetch},

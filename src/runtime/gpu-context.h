@@ -12,6 +12,7 @@
 #include "offload/expert-store.h"
 #include "offload/placement.h"
 #include "runtime/engine.h"
+#include "runtime/gpu-moe-device.h"
 #include "runtime/hybrid-moe.h"
 #include "runtime/routing-replay.h"
 
@@ -24,7 +25,7 @@ namespace prescope {
 /// Allocates device and pinned memory only in the constructor; eval() allocates nothing on the host beyond
 /// growing logits() to the size asked for, and synchronizes the compute stream once per layer (routing)
 /// and once per batch that returns logits.
-class GpuContext final : public Engine, private MoeDevice {
+class GpuContext final : public Engine {
   public:
     /// Throws prescope::Error: no CUDA device; unsupported shapes (router over 1024 experts, top-k over 32,
     /// head sizes the attention kernel lacks); not enough device memory (with the sizes of each part);
@@ -52,13 +53,7 @@ class GpuContext final : public Engine, private MoeDevice {
     std::function<void(int64_t layer, Routing &)> routing_override;
 
   private:
-    /// A weight matrix on the device in its file dtype: n_out rows of n_in elements.
-    struct DevMatrix {
-        DType type = DType::F32;
-        int64_t n_in = 0, n_out = 0;
-        const void *data = nullptr;
-        bool empty() const { return data == nullptr; }
-    };
+    using DevMatrix = GpuMatrix;
     struct DevLayer {
         const float *attn_norm = nullptr, *ffn_norm = nullptr;
         const float *bq = nullptr, *bk = nullptr, *bv = nullptr, *q_norm = nullptr, *k_norm = nullptr;
@@ -80,12 +75,6 @@ class GpuContext final : public Engine, private MoeDevice {
     void output_head(int64_t first, int64_t rows, float *logits_out);
     void matmul(const DevMatrix &w, const float *x, int64_t n_tok, float *y);
     cudaStream_t stream() const { return CudaBackend::cuda_stream(compute_); }
-
-    // MoeDevice
-    Stream compute_stream() override { return compute_; }
-    void launch_gpu(const MoeStep &s) override;
-    float *cpu_out() override { return cpu_out_host_; }
-    void combine(const MoeStep &s) override;
 
     const Model &model_;
     ContextParams params_;
@@ -116,10 +105,6 @@ class GpuContext final : public Engine, private MoeDevice {
     float *v_cache_ = nullptr;
     float *router_logits_ = nullptr;  // [n_batch][n_expert]
     uint8_t *routing_dev_ = nullptr;  // RoutingBlock for n_batch tokens: h, ids, weights, shared gate logits
-    float *gate_ = nullptr, *up_ = nullptr;  // [n_batch * top_k][n_ff_exp] expert intermediates
-    float *pairs_ = nullptr;     // [n_batch * top_k + n_batch][n_embd] pair outputs: GPU, CPU, shared rows
-    float *sh_gate_ = nullptr, *sh_up_ = nullptr;  // [n_batch][n_ff_shexp]
-    uint8_t *meta_dev_ = nullptr;  // per-layer step arrays (expert pointers, offsets, rows, pair ids, weights)
     int32_t *tok_dev_ = nullptr;   // [2][n_batch]: token ids, then positions
     float *logits_dev_ = nullptr;  // [kLogitRows][n_vocab]
     cuda::Workspace ws_;
@@ -128,17 +113,9 @@ class GpuContext final : public Engine, private MoeDevice {
     std::unique_ptr<uint8_t[]> pageable_;    // then the mirrors live here
     uint64_t pinned_bytes_ = 0;
     uint8_t *routing_host_ = nullptr;
-    uint8_t *meta_host_ = nullptr;
     int32_t *tok_host_ = nullptr;
-    float *cpu_out_host_ = nullptr;  // [n_batch * top_k][n_embd]
     float *logits_host_ = nullptr;   // [kLogitRows][n_vocab]
-    uint64_t meta_bytes_ = 0;
-    size_t meta_used_ = 0;  // end of the running layer's waves in meta_host_ / meta_dev_
     Routing routing_;
-    // The layer being run: router input and combine arrays on the device.
-    const float *cur_h_dev_ = nullptr;
-    const int32_t *cur_pair_ids_dev_ = nullptr;
-    const float *cur_weights_dev_ = nullptr;
 
     // Offloading.
     std::unique_ptr<RoutingReplay> replay_;
@@ -149,12 +126,14 @@ class GpuContext final : public Engine, private MoeDevice {
     std::unique_ptr<ExpertLoader> loader_;
     std::unique_ptr<Predictor> predictor_;
     OraclePredictor *oracle_ = nullptr;
+    std::unique_ptr<CudaMoeDevice> moe_device_;  // the MoE block's device half, owning its buffers
     std::unique_ptr<HybridMoe> moe_;
 
     // Counters since reset_stats().
     int64_t tokens_prefill_ = 0, tokens_decode_ = 0;
     CopyStats copy_base_;  // engine counters at the last reset
-    HybridMoeStats moe_base_;
+    std::string cost_notes_;  // where the cost model's terms came from (start-up text)
+    std::string numa_text_;   // the NUMA placement line (start-up text)
 };
 
 } // namespace prescope

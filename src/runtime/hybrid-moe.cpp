@@ -1,10 +1,8 @@
-// HybridMoe: per-layer decision -> slots and copies -> GPU launch (wave 0) -> prefetch -> CPU experts ->
-// streamed waves (large batches) -> combine.
+// HybridMoe: plan (LayerPlanner) then execute: slots and copies, wave 0, prefetch, CPU experts, the split FETCH
+// wave or the streamed waves, combine, measurements. The step order is LayerStep's.
 #include "runtime/hybrid-moe.h"
 
 #include "core/error.h"
-
-#include <omp.h>
 
 #include <algorithm>
 #include <chrono>
@@ -14,27 +12,77 @@ namespace prescope {
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-double us_since(Clock::time_point t) { return std::chrono::duration<double, std::micro>(Clock::now() - t).count(); }
+double now_us() {
+    return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
 
 } // namespace
 
-HybridMoe::HybridMoe(const Model &model, const ExpertStore &store, const PlacementPlan &plan, ExpertCache *cache,
-                     ExpertLoader *loader, Predictor *predictor, MoeDevice &device, Backend *backend,
-                     const HybridMoeConfig &config, int64_t max_tokens, bool shared_on_device)
-    : model_(model), store_(store), plan_(plan), cache_(cache), loader_(loader), predictor_(predictor),
-      device_(device), backend_(backend), config_(config), shared_on_device_(shared_on_device),
+const char *layer_step_name(LayerStep s) {
+    switch (s) {
+    case LayerStep::PREDICT_FIRST: return "predict-first";
+    case LayerStep::PLAN: return "plan";
+    case LayerStep::SLOTS_AND_COPIES: return "slots-and-copies";
+    case LayerStep::WAIT_WAVE0: return "wait-wave0";
+    case LayerStep::LAUNCH_WAVE0: return "launch-wave0";
+    case LayerStep::PREDICT_AFTER_LAUNCH: return "predict-after-launch";
+    case LayerStep::RELEASE_WAVE0: return "release-wave0";
+    case LayerStep::QUEUE_STREAM_WAVE: return "queue-stream-wave";
+    case LayerStep::PREFETCH: return "prefetch";
+    case LayerStep::CPU_EXPERTS: return "cpu-experts";
+    case LayerStep::LAUNCH_FETCH_WAVE: return "launch-fetch-wave";
+    case LayerStep::STREAM_WAVES: return "stream-waves";
+    case LayerStep::COMBINE: return "combine";
+    case LayerStep::MEASURE: return "measure";
+    }
+    return "?";
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// the host device (all-CPU plan)
+
+HostMoeDevice::HostMoeDevice(int64_t n_embd, int64_t max_pairs) : n_embd_(n_embd), rows_(size_t(max_pairs * n_embd)) {}
+
+void HostMoeDevice::launch_gpu(const MoeStep &s) {
+    PRESCOPE_ASSERT(s.wave_begin == s.wave_end && s.k_comb == s.k);  // nothing runs on a GPU here
+}
+
+void HostMoeDevice::combine(const MoeStep &s) {
+    PRESCOPE_ASSERT(out_ && s.k_comb == s.k && s.n_gpu_pairs == 0);
+    // Weighted sum in top-k order (HF and llama.cpp add the k expert outputs in that order).
+    for (int64_t t = 0; t < s.n_tok; ++t) {
+        float *o = out_ + t * n_embd_;
+        std::fill_n(o, n_embd_, 0.0f);
+        for (int64_t j = 0; j < s.k; ++j) {
+            const float w = s.weights[size_t(t * s.k + j)];
+            const float *y = rows_.data() + int64_t(s.pair_ids[size_t(t * s.k + j)]) * n_embd_;
+            for (int64_t c = 0; c < n_embd_; ++c) o[c] += w * y[c];
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// construction
+
+HybridMoe::HybridMoe(const Model &model, const ExpertStore &store, const PlacementPlan &placement, ExpertCache *cache,
+                     ExpertLoader *loader, CopyEngine *engine, Predictor *predictor, MoeDevice &device,
+                     Backend *backend, const CostModel &cost, const HybridMoeConfig &config, int64_t max_tokens,
+                     bool shared_on_device)
+    : model_(model), store_(store), placement_(placement), cache_(cache), loader_(loader), engine_(engine),
+      predictor_(predictor), device_(device), backend_(backend), config_(config), shared_on_device_(shared_on_device),
       max_tokens_(max_tokens) {
     const HParams &hp = model.hp();
-    PRESCOPE_ASSERT((cache == nullptr) == (loader == nullptr));
+    PRESCOPE_ASSERT((cache == nullptr) == (loader == nullptr) && (loader == nullptr) == (engine == nullptr));
     PRESCOPE_ASSERT(max_tokens > 0);
-    plan.check_shape(int32_t(hp.n_layer), int32_t(hp.n_expert), "placement plan");
+    placement.check_shape(int32_t(hp.n_layer), int32_t(hp.n_expert), "placement plan");
     const auto E = size_t(hp.n_expert), k = size_t(hp.n_expert_used), pairs = size_t(max_tokens) * k;
-    if (config_.prefetch_max_per_layer <= 0) config_.prefetch_max_per_layer = int32_t(k);
-
-    decision_.reserve(int32_t(E));
+    const auto window = size_t(std::max(config_.planner.prefetch_window, 0));
+    if (cache_) {
+        planner_ = std::make_unique<LayerPlanner>(placement, cache, cost, config_.planner, int32_t(k));
+    }
+    plan_.reserve(int32_t(E), int32_t(window * E));
     wave_.reserve(int32_t(E));
-    stream_index_.resize(E);
+    gpu_index_.resize(E);
     step_.gpu_expert.resize(E);
     step_.gpu_offsets.resize(E + 1);
     step_.gpu_rows.resize(pairs);
@@ -46,54 +94,103 @@ HybridMoe::HybridMoe(const Model &model, const ExpertStore &store, const Placeme
     site_.resize(E);
     index_.resize(E);
     fill_.resize(E);
-
     int64_t n_ff = 0;
     for (int32_t l = 0; l < store.n_layers(); ++l) n_ff = std::max(n_ff, store.layout(l).n_ff);
-    // Per thread: gathered rows [m][n_embd], gate and up [m][2 n_ff]; m <= max_tokens (one pair per token).
-    scratch_.resize(size_t(omp_get_max_threads()));
-    for (auto &s : scratch_) s.resize(size_t(max_tokens) * size_t(hp.n_embd + 2 * n_ff));
-    prefetch_list_.reserve(size_t(std::max(config_.prefetch_window, 0)) * E);
+    cpu_runner_ = CpuExpertRunner(hp.n_embd, n_ff, int64_t(pairs));
+    predicted_.reserve(window * E);
+    prefetch_list_.reserve(window * E);
+    prefetch_slots_.reserve(window * E);
 
     if (backend_ && loader_) {
-        stall_begin_.resize(size_t(hp.n_layer));
-        stall_end_.resize(size_t(hp.n_layer));
-        for (Event &e : stall_begin_) e = backend_->event_create();
-        for (Event &e : stall_end_) e = backend_->event_create();
-        stall_pending_.assign(size_t(hp.n_layer), 0);
+        for (auto *events : {&stall_begin_, &stall_end_, &gpu_done_}) {
+            events->resize(size_t(hp.n_layer));
+            for (Event &e : *events) e = backend_->event_create();
+        }
+        timing_pending_.assign(size_t(hp.n_layer), 0);
+        pending_simple_.assign(size_t(hp.n_layer), 0);
+        pending_cpu_end_us_.assign(size_t(hp.n_layer), -1);
+        pending_gpu_predicted_us_.assign(size_t(hp.n_layer), -1);
     }
+    if (engine_) copy_seen_ = engine_->stats();
 }
 
 HybridMoe::~HybridMoe() {
-    for (Event e : stall_begin_) backend_->event_destroy(e);
-    for (Event e : stall_end_) backend_->event_destroy(e);
+    for (auto *events : {&stall_begin_, &stall_end_, &gpu_done_}) {
+        for (Event e : *events) backend_->event_destroy(e);
+    }
 }
 
-void HybridMoe::build_step(int32_t layer, const Routing &r, std::span<const float> shared_gate) {
+// ---------------------------------------------------------------------------------------------------------------
+// the layer step
+
+void HybridMoe::step(LayerStep s) {
+    // The order is LayerStep's: a step never comes back, none runs twice.
+    PRESCOPE_ASSERT(int(s) > last_step_);
+    last_step_ = int(s);
+    if (on_step) on_step(step_layer_, s);
+}
+
+void HybridMoe::predict(int32_t layer, const float *h, const Routing &r) {
+    const int32_t n_layers = int32_t(model_.hp().n_layer);
+    const int64_t nt = std::min(r.n_tok, config_.predict_max_tokens), first = r.n_tok - nt;
+    predicted_.clear();
+    if (predictor_ && config_.planner.prefetch_window > 0 && layer + 1 < n_layers) {
+        const double t0 = now_us();
+        PredictorInput in;
+        in.layer = layer;
+        in.n_layers = n_layers;
+        in.window = config_.planner.prefetch_window;
+        in.routed = std::span<const int32_t>(r.ids).subspan(size_t(first * r.k), size_t(nt * r.k));
+        in.n_tokens = int32_t(nt);
+        in.top_k = int32_t(r.k);
+        in.hidden = h + first * model_.hp().n_embd;
+        in.n_embd = model_.hp().n_embd;
+        predictor_->predict(in, predicted_);
+        predicted_.sort_by_score();
+        const double us = now_us() - t0;
+        if (LayerStats *st = stats(layer)) st->predict_us += us;
+        host_us_estimate_ += 0.1 * (us - host_us_estimate_);
+        planner_->set_host_us(host_us_estimate_);
+    }
+    planner_->set_candidates(predicted_.items(), int32_t(nt));
+}
+
+void HybridMoe::build_step(const Routing &r, std::span<const float> shared_gate) {
     MoeStep &s = step_;
+    const LayerDecision &d = plan_.decision;
     const int64_t k = r.k, kc = k + (shared_on_device_ ? 1 : 0);
-    s.layer = layer;
     s.n_tok = r.n_tok;
     s.k = k;
     s.k_comb = kc;
     s.n_gpu = s.n_cpu = 0;
     s.gpu_offsets[0] = s.cpu_offsets[0] = 0;
-    // Experts in ascending id (decide_layer's order), GPU ones first in the pair buffer: wave 0 (HIT, FETCH)
-    // before the STREAM experts, so that every wave is a contiguous run of experts and pairs.
-    for (const bool streamed : {false, true}) {
-        for (const RoutedExpert &x : decision_.experts) {
-            if (x.action == ExpertAction::CPU || (x.action == ExpertAction::STREAM) != streamed) continue;
+    // GPU experts in wave order, each group in ascending id (the decision's order): wave 0, the FETCH wave
+    // (split), the STREAM experts; so every wave is a contiguous run of experts and pairs.
+    auto group = [&](const RoutedExpert &x) {
+        switch (x.action) {
+        case ExpertAction::HIT: return 0;
+        case ExpertAction::FETCH: return plan_.split ? 1 : 0;
+        case ExpertAction::STREAM: return 2;
+        case ExpertAction::CPU: return -1;
+        }
+        return -1;
+    };
+    for (int g = 0; g < 3; ++g) {
+        for (const RoutedExpert &x : d.experts) {
+            if (group(x) != g) continue;
             const auto e = size_t(x.expert);
-            PRESCOPE_ASSERT(loader_ && (streamed || x.slot >= 0));
+            PRESCOPE_ASSERT(loader_ && (g == 2 || x.slot >= 0));
             site_[e] = 1;
             index_[e] = s.n_gpu;
-            s.gpu_expert[size_t(s.n_gpu)] = streamed ? nullptr : loader_->slot_data(x.slot);
-            if (streamed) stream_index_[size_t(s.n_gpu - n_wave0_)] = int32_t(&x - decision_.experts.data());
+            s.gpu_expert[size_t(s.n_gpu)] = g == 2 ? nullptr : loader_->slot_data(x.slot);
+            gpu_index_[size_t(s.n_gpu)] = int32_t(&x - d.experts.data());
             s.gpu_offsets[size_t(s.n_gpu) + 1] = s.gpu_offsets[size_t(s.n_gpu)] + x.n_tokens;
             ++s.n_gpu;
         }
-        if (!streamed) n_wave0_ = s.n_gpu;
+        if (g == 0) n_wave0_ = s.n_gpu;
+        if (g == 1) n_fetch_wave_ = s.n_gpu - n_wave0_;
     }
-    for (const RoutedExpert &x : decision_.experts) {
+    for (const RoutedExpert &x : d.experts) {
         if (x.action != ExpertAction::CPU) continue;
         const auto e = size_t(x.expert);
         site_[e] = 2;
@@ -104,12 +201,12 @@ void HybridMoe::build_step(int32_t layer, const Routing &r, std::span<const floa
     }
     s.n_gpu_pairs = s.gpu_offsets[size_t(s.n_gpu)];
     s.n_cpu_pairs = s.cpu_offsets[size_t(s.n_cpu)];
-    for (const RoutedExpert &x : decision_.experts) {
+    for (const RoutedExpert &x : d.experts) {
         const auto e = size_t(x.expert);
         fill_[e] = site_[e] == 1 ? s.gpu_offsets[size_t(index_[e])]
                                  : int32_t(s.n_gpu_pairs) + s.cpu_offsets[size_t(index_[e])];
     }
-    // Pairs in (token, slot) order within each expert, as CpuExpertExecutor gathers them.
+    // Pairs in (token, slot) order within each expert, as the CPU runner gathers them.
     for (int64_t t = 0; t < r.n_tok; ++t) {
         for (int64_t j = 0; j < k; ++j) {
             const auto e = size_t(r.ids[size_t(t * k + j)]);
@@ -130,6 +227,13 @@ void HybridMoe::build_step(int32_t layer, const Routing &r, std::span<const floa
     }
 }
 
+void HybridMoe::launch(int32_t wave, int32_t begin, int32_t end) {
+    step_.wave = wave;
+    step_.wave_begin = begin;
+    step_.wave_end = end;
+    device_.launch_gpu(step_);
+}
+
 void HybridMoe::begin_wave(int32_t first) {
     // All of the layer's slots but the fixed ones are free once the wave before was queued (end_layer); the
     // copies into them wait on the device for that wave's compute.
@@ -139,7 +243,7 @@ void HybridMoe::begin_wave(int32_t first) {
     wave_.layer = step_.layer;
     wave_.experts.clear();
     for (int32_t i = first; i < last; ++i) {
-        RoutedExpert x = decision_.experts[size_t(stream_index_[size_t(i - n_wave0_)])];
+        RoutedExpert x = plan_.decision.experts[size_t(gpu_index_[size_t(i)])];
         x.action = ExpertAction::FETCH;
         wave_.experts.push_back(x);
     }
@@ -153,105 +257,191 @@ void HybridMoe::begin_wave(int32_t first) {
     step_.wave_end = last;
 }
 
-void HybridMoe::run_cpu_experts(const float *h) {
-    const MoeStep &s = step_;
-    if (s.n_cpu == 0) return;
-    const auto t0 = Clock::now();
-    const int64_t n_embd = model_.hp().n_embd;
-    float *out = device_.cpu_out();
-    auto run = [&](int32_t i, std::vector<float> &buf) {
-        const int64_t first = s.cpu_offsets[size_t(i)], m = s.cpu_offsets[size_t(i) + 1] - first;
-        float *xg = buf.data(), *scratch = xg + m * n_embd;
-        for (int64_t p = 0; p < m; ++p) {
-            std::copy_n(h + int64_t(s.cpu_rows[size_t(first + p)]) * n_embd, n_embd, xg + p * n_embd);
-        }
-        const ExpertViews v = store_.cpu_views(s.layer, s.cpu_expert[size_t(i)]);
-        cpu_expert_ffn(v.gate, v.up, v.down, v.index, xg, m, scratch, out + first * n_embd);
-    };
-    // Many experts: one per thread. Few: one after another, each product threaded (as CpuExpertExecutor).
-    if (s.n_cpu >= omp_get_max_threads()) {
-#pragma omp parallel for schedule(dynamic, 1)
-        for (int32_t i = 0; i < s.n_cpu; ++i) run(i, scratch_[size_t(omp_get_thread_num())]);
-    } else {
-        for (int32_t i = 0; i < s.n_cpu; ++i) run(i, scratch_[0]);
+void HybridMoe::prefetch() {
+    if (plan_.prefetch.empty()) return;
+    const double t0 = now_us();
+    prefetch_list_.clear();
+    for (const PlannedPrefetch &p : plan_.prefetch) prefetch_list_.push_back({p.layer, p.expert, float(p.prob)});
+    prefetch_slots_.resize(prefetch_list_.size());
+    // The cost rule chose each prefetch; the threshold rule hands the predictor's list to the loader's limits.
+    const int32_t per_layer = planner_->cost_rule() ? INT32_MAX : planner_->config().prefetch_max_per_layer;
+    loader_->prefetch(prefetch_list_, per_layer, planner_->keep(), prefetch_slots_);
+    for (size_t i = 0; i < plan_.prefetch.size(); ++i) plan_.prefetch[i].slot = prefetch_slots_[i];
+    if (LayerStats *st = stats(step_.layer)) {
+        st->predict_us += now_us() - t0;
+        st->prefetch_planned += planner_->cost_rule() ? plan_.prefetch.size() : 0;
     }
-    stats_.cpu_expert_us += us_since(t0);
 }
 
-void HybridMoe::prefetch(int32_t layer, const float *h, const Routing &r) {
-    const int32_t n_layers = int32_t(model_.hp().n_layer);
-    if (!predictor_ || !loader_ || config_.prefetch_window <= 0 || layer + 1 >= n_layers) return;
-    const auto t0 = Clock::now();
-    const int64_t nt = std::min(r.n_tok, config_.predict_max_tokens), first = r.n_tok - nt;
-    PredictorInput in;
-    in.layer = layer;
-    in.n_layers = n_layers;
-    in.window = config_.prefetch_window;
-    in.routed = std::span<const int32_t>(r.ids).subspan(size_t(first * r.k), size_t(nt * r.k));
-    in.n_tokens = int32_t(nt);
-    in.top_k = int32_t(r.k);
-    in.hidden = h + first * model_.hp().n_embd;
-    in.n_embd = model_.hp().n_embd;
-    prefetch_list_.clear();
-    predictor_->predict(in, prefetch_list_);
-    prefetch_list_.sort_by_score();
-    loader_->prefetch(prefetch_list_.items(), config_.prefetch_max_per_layer);
-    stats_.predict_us += us_since(t0);
+void HybridMoe::run_cpu_experts(const float *h) {
+    const MoeStep &s = step_;
+    const double t0 = now_us();
+    cpu_runner_.run(store_, s.layer, s.n_cpu, s.cpu_expert.data(), s.cpu_offsets.data(), s.cpu_rows.data(), h,
+                    device_.cpu_out());
+    const double t1 = now_us();
+    cpu_end_us_ = t1 - layer_t0_us_;
+    if (LayerStats *st = stats(s.layer)) st->cpu_expert_us += t1 - t0;
+    if (planner_) {
+        // The CPU experts' time against the plan's, for the load balancer.
+        double predicted = planner_->state().cpu_layer_us;
+        for (size_t i = 0; i < plan_.decision.experts.size(); ++i) {
+            if (plan_.decision.experts[i].action == ExpertAction::CPU) predicted += planner_->state().routed[i].cpu_us;
+        }
+        LayerMeasurement m;
+        m.cpu_work_us = t1 - t0;
+        m.cpu_predicted_us = predicted;
+        planner_->observe(m, *stats(s.layer));
+    }
 }
 
 void HybridMoe::collect_timings() {
-    for (size_t l = 0; l < stall_pending_.size(); ++l) {
-        if (!stall_pending_[l] || !backend_->event_query(stall_end_[l])) continue;
-        stall_pending_[l] = 0;
-        const double us = backend_->event_elapsed_us(stall_begin_[l], stall_end_[l]);
-        if (us <= 0) continue;
-        cache_->record_stall(int32_t(l), us);
-        stats_.device_stall_us += us;
+    for (size_t l = 0; l < timing_pending_.size(); ++l) {
+        if (!timing_pending_[l] || !backend_->event_query(gpu_done_[l])) continue;
+        timing_pending_[l] = 0;
+        LayerStats &st = cache_->layer_stats(int32_t(l));
+        const double stall = backend_->event_elapsed_us(stall_begin_[l], stall_end_[l]);
+        if (stall > 0) {
+            cache_->record_stall(int32_t(l), stall);
+            st.device_stall_us += stall;
+        }
+        LayerMeasurement m;
+        const double gpu_end = backend_->event_elapsed_us(stall_begin_[l], gpu_done_[l]);
+        if (gpu_end >= 0) {
+            m.gpu_end_us = gpu_end;
+            m.cpu_end_us = pending_cpu_end_us_[l];
+            if (m.cpu_end_us < 0) m.gpu_end_us = -1;  // no CPU experts: no gap
+        }
+        if (pending_simple_[l]) {
+            m.gpu_work_us = backend_->event_elapsed_us(stall_end_[l], gpu_done_[l]);
+            m.gpu_predicted_us = pending_gpu_predicted_us_[l];
+        }
+        planner_->observe(m, st);
+    }
+    if (engine_) {
+        // The copy engine's achieved speed since the last look against the model's.
+        const CopyStats now = engine_->stats();
+        const double bytes = double(now.bytes_done - copy_seen_.bytes_done), busy = now.busy_us - copy_seen_.busy_us;
+        if (bytes > 0 && busy > 0) {
+            LayerMeasurement m;
+            m.link_work_us = busy;
+            m.link_predicted_us = bytes / (planner_->cost().link_gb_s() * 1e3);
+            planner_->observe(m, cache_->layer_stats(cache_->n_layers() - 1));
+        }
+        copy_seen_ = now;
     }
 }
 
 void HybridMoe::run_layer(int32_t layer, const float *h, const Routing &r, std::span<const float> shared_gate) {
     PRESCOPE_ASSERT(r.n_tok > 0 && r.n_tok <= max_tokens_ && r.k == model_.hp().n_expert_used);
     PRESCOPE_ASSERT(!shared_on_device_ || shared_gate.size() >= size_t(r.n_tok));
-    if (!stall_pending_.empty() && stall_pending_[size_t(layer)]) collect_timings();
+    step_layer_ = layer;
+    last_step_ = -1;
+    layer_t0_us_ = now_us();
+    cpu_end_us_ = -1;
+    step_.layer = layer;
+    if (!timing_pending_.empty() && timing_pending_[size_t(layer)]) collect_timings();
     const std::span<const int32_t> routed(r.ids.data(), size_t(r.n_tok * r.k));
-    decide_layer(layer, routed, plan_, cache_, config_.rule, decision_);
-    if (loader_) loader_->begin_layer(decision_);
-    build_step(layer, r, shared_gate);
+
+    bool predicted = false;
+    if (!planner_) {
+        step(LayerStep::PLAN);
+        count_routed(layer, routed, int32_t(model_.hp().n_expert), plan_.decision);  // the all-CPU plan
+        plan_.split = false;
+        plan_.prefetch.clear();
+    } else {
+        const bool misses = planner_->begin(layer, routed, int32_t(r.n_tok));
+        apply_link_state(planner_->state(), *cache_, *engine_, planner_->cost(), planner_->config().max_prefetch_in_flight);
+        if (misses) {
+            step(LayerStep::PREDICT_FIRST);
+            predict(layer, h, r);
+            predicted = true;
+        }
+        step(LayerStep::PLAN);
+        planner_->plan_routed(plan_);
+    }
+    LayerDecision &d = plan_.decision;
+    if (loader_) {
+        step(LayerStep::SLOTS_AND_COPIES);
+        loader_->begin_layer(d);
+    }
+    build_step(r, shared_gate);
 
     const Stream cs = device_.compute_stream();
+    const bool timed = !timing_pending_.empty() && !timing_pending_[size_t(layer)];
+    if (timed) backend_->event_record(stall_begin_[size_t(layer)], cs);
     if (loader_ && n_wave0_ > 0) {
-        const bool timed = !stall_begin_.empty() && !stall_pending_[size_t(layer)];
-        if (timed) backend_->event_record(stall_begin_[size_t(layer)], cs);
-        stats_.wait_issue_us += loader_->wait_experts(decision_, cs);
-        if (timed) {
-            backend_->event_record(stall_end_[size_t(layer)], cs);
-            stall_pending_[size_t(layer)] = 1;
-        }
+        step(LayerStep::WAIT_WAVE0);
+        stats(layer)->wait_issue_us += loader_->wait_experts(d, cs, true, !plan_.split);
     }
-    step_.wave = 0;
-    step_.wave_begin = 0;
-    step_.wave_end = n_wave0_;
-    device_.launch_gpu(step_);
-    // The slots are read by the work just queued: later loads into them wait for this point.
-    if (loader_) loader_->end_layer(layer, cs);
-    // The first streamed wave's copies run while the host predicts and runs the CPU experts.
-    bool pending = step_.n_gpu > n_wave0_;
-    if (pending) begin_wave(n_wave0_);
-    prefetch(layer, h, r);
-    run_cpu_experts(h);
-    while (pending) {
-        stats_.wait_issue_us += loader_->wait_experts(wave_, cs);
-        ++step_.wave;
-        device_.launch_gpu(step_);
+    if (timed) backend_->event_record(stall_end_[size_t(layer)], cs);
+    step(LayerStep::LAUNCH_WAVE0);
+    launch(0, 0, n_wave0_);
+    if (planner_ && !predicted) {
+        step(LayerStep::PREDICT_AFTER_LAUNCH);
+        predict(layer, h, r);
+        planner_->plan_prefetch(plan_);
+    }
+    if (loader_ && !plan_.split) {
+        // The slots are read by the work just queued: later loads into them wait for this point.
+        step(LayerStep::RELEASE_WAVE0);
         loader_->end_layer(layer, cs);
-        stats_.streamed += uint64_t(step_.wave_end - step_.wave_begin);
-        ++stats_.stream_waves;
-        pending = step_.wave_end < step_.n_gpu;
-        if (pending) begin_wave(step_.wave_end);
     }
+    const int32_t first_stream = n_wave0_ + n_fetch_wave_;
+    bool streaming = step_.n_gpu > first_stream;
+    if (streaming) {
+        // The first streamed wave's copies run while the host prefetches and runs the CPU experts.
+        step(LayerStep::QUEUE_STREAM_WAVE);
+        begin_wave(first_stream);
+    }
+    if (loader_) {
+        step(LayerStep::PREFETCH);
+        prefetch();
+    }
+    if (step_.n_cpu > 0) {
+        step(LayerStep::CPU_EXPERTS);
+        run_cpu_experts(h);
+    }
+    int32_t wave = 1;
+    if (plan_.split) {
+        // The FETCH copies travelled while the CPU worked; their wave goes now.
+        step(LayerStep::LAUNCH_FETCH_WAVE);
+        stats(layer)->wait_issue_us += loader_->wait_experts(d, cs, false, true);
+        launch(wave++, n_wave0_, n_wave0_ + n_fetch_wave_);
+        loader_->end_layer(layer, cs);
+    }
+    if (streaming) step(LayerStep::STREAM_WAVES);
+    while (streaming) {
+        stats(layer)->wait_issue_us += loader_->wait_experts(wave_, cs);
+        launch(wave++, step_.wave_begin, step_.wave_end);
+        loader_->end_layer(layer, cs);
+        stats(layer)->streamed += uint64_t(step_.wave_end - step_.wave_begin);
+        ++stats(layer)->stream_waves;
+        streaming = step_.wave_end < step_.n_gpu;
+        if (streaming) begin_wave(step_.wave_end);
+    }
+    if (timed) backend_->event_record(gpu_done_[size_t(layer)], cs);
+    step(LayerStep::COMBINE);
     device_.combine(step_);
-    ++stats_.layers;
+
+    step(LayerStep::MEASURE);
+    if (LayerStats *st = stats(layer)) {
+        ++st->steps;
+        st->split_steps += plan_.split;
+        st->predicted_us += plan_.predicted.critical_us;
+        LayerMeasurement m;
+        m.layer_us = plan_.predicted.critical_us;
+        planner_->observe(m, *st);
+    }
+    if (timed) {
+        timing_pending_[size_t(layer)] = 1;
+        pending_cpu_end_us_[size_t(layer)] = cpu_end_us_;
+        pending_simple_[size_t(layer)] = !plan_.split && step_.n_gpu == n_wave0_ && n_wave0_ > 0;
+        double gpu = planner_->state().wave_us;
+        for (size_t i = 0; i < d.experts.size(); ++i) {
+            if (d.experts[i].action != ExpertAction::CPU) gpu += planner_->state().routed[i].gpu_us;
+        }
+        pending_gpu_predicted_us_[size_t(layer)] = gpu;
+    }
 }
 
 } // namespace prescope

@@ -1,21 +1,47 @@
-// The hybrid CPU/GPU MoE block, host side: per layer, decide HIT / FETCH / CPU for each routed expert
-// (offload/placement.h decide_layer), grant slots and queue copies (ExpertLoader), hand the GPU experts to
-// the device, prefetch for the next layers, run the CPU experts on host threads meanwhile, and combine in
-// top-k order. The device half sits behind MoeDevice, so the whole flow runs on FakeBackend in tests.
+// The MoE block of every engine, as plan then execute: per layer the planner (offload/layer-planner.h) turns
+// the routing, the cache state, the copies in flight and the predictor's scores into a LayerPlan (HIT / FETCH /
+// STREAM / CPU per routed expert, prefetches), and one executor runs it: slots and copies (ExpertLoader), GPU
+// waves on the device half (MoeDevice), CPU experts on host threads, prefetches, combine in top-k order, and
+// the measurements that correct the cost model. Without a GPU cache the plan is all-CPU and the device half
+// is HostMoeDevice: that is the CPU engine's MoE block (CpuExpertExecutor, runtime/moe.h).
 #pragma once
 
 #include "offload/expert-cache.h"
 #include "offload/expert-loader.h"
 #include "offload/expert-store.h"
+#include "offload/layer-planner.h"
 #include "offload/placement.h"
 #include "offload/predictor.h"
 #include "runtime/moe.h"
 
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <span>
 #include <vector>
 
 namespace prescope {
+
+/// The steps of one MoE layer, in the only order HybridMoe::run_layer takes them (each at most once; those that
+/// do not apply are skipped). With a routed expert missing from the GPU the predictor runs first, so the plan
+/// weighs the next layers; with every routed expert resident it runs after the launch, off the GPU's path.
+enum class LayerStep : uint8_t {
+    PREDICT_FIRST,         // predictor for l+1..l+w (a routed expert is missing)
+    PLAN,                  // the planner's LayerPlan
+    SLOTS_AND_COPIES,      // slots for HIT then FETCH, demand copies queued, prefetches of hits promoted
+    WAIT_WAVE0,            // compute waits for wave 0's copies (host blocks until they are issued)
+    LAUNCH_WAVE0,          // HIT (+ FETCH unless split) experts and the shared expert on the device
+    PREDICT_AFTER_LAUNCH,  // predictor and the plan's prefetches (every routed expert was resident)
+    RELEASE_WAVE0,         // layer event recorded, slots unpinned (not split)
+    QUEUE_STREAM_WAVE,     // the first streamed wave's copies, behind the layer event
+    PREFETCH,              // the plan's prefetches queued (behind demand copies)
+    CPU_EXPERTS,           // CPU experts on host threads, while the copies travel and the GPU computes
+    LAUNCH_FETCH_WAVE,     // split: wait for the FETCH copies, launch them, release the slots
+    STREAM_WAVES,          // streamed waves: wait, launch, release, queue the next
+    COMBINE,               // CPU rows to the device, weighted sum in top-k order (+ shared expert)
+    MEASURE,               // CPU time and finish gap to the load balancer
+};
+const char *layer_step_name(LayerStep s);
 
 /// What the device runs for one layer: plain data the host fills (sized once, reused every layer).
 /// Expert outputs are rows of one pair buffer: GPU pairs [0, n_gpu_pairs) expert by expert, then CPU pairs
@@ -25,7 +51,8 @@ struct MoeStep {
     int64_t n_tok = 0;
     int64_t k = 0;       // routed experts per token
     int64_t k_comb = 0;  // columns of pair_ids / weights: k, or k + 1 with the shared expert
-    // GPU experts: HIT and FETCH ones (wave 0), then STREAM ones (later waves), each part in ascending id.
+    // GPU experts in wave order: wave 0 (HIT and FETCH, or HIT only when the plan splits), then the FETCH
+    // wave (split), then the STREAM experts; each part in ascending id.
     int32_t n_gpu = 0;
     std::vector<const void *> gpu_expert;  // [n_gpu] device address of each expert's canonical bytes (its slot)
     std::vector<int32_t> gpu_offsets;      // [n_gpu + 1] pairs of GPU expert i: [gpu_offsets[i], gpu_offsets[i+1])
@@ -40,12 +67,12 @@ struct MoeStep {
     std::vector<int32_t> pair_ids;  // [n_tok][k_comb] pair-buffer row of each (token, top-k slot)
     std::vector<float> weights;     // [n_tok][k_comb] routing weight (shared column: sigmoid of its gate)
     // The wave launch_gpu queues now: GPU experts [wave_begin, wave_end), whose gpu_expert entries are set.
-    // Wave 0 holds the HIT and FETCH experts and also uploads pair_ids / weights and runs the shared expert;
-    // waves 1, 2, ... hold STREAM experts, each loaded into slots the wave before freed.
+    // Wave 0 also uploads pair_ids / weights and runs the shared expert; later waves hold FETCH experts (split)
+    // or STREAM experts, each loaded into slots the wave before freed.
     int32_t wave = 0, wave_begin = 0, wave_end = 0;
 };
 
-/// The device half of the hybrid block. Calls come from the runtime thread in this order per layer:
+/// The device half of the MoE block. Calls come from the runtime thread in this order per layer:
 /// (copies waited for on compute_stream()) launch_gpu (wave 0) -> (CPU experts write cpu_out()) ->
 /// [launch_gpu (wave 1, 2, ...), each after its copies were waited for] -> combine.
 class MoeDevice {
@@ -63,33 +90,37 @@ class MoeDevice {
     virtual void combine(const MoeStep &s) = 0;
 };
 
+/// The device half of the all-CPU plan: no GPU experts; combine on the host into the output set by
+/// set_output() (the CPU engine's MoE block).
+class HostMoeDevice final : public MoeDevice {
+  public:
+    HostMoeDevice(int64_t n_embd, int64_t max_pairs);
+    void set_output(float *out) { out_ = out; }
+    Stream compute_stream() override { return nullptr; }
+    void launch_gpu(const MoeStep &s) override;
+    float *cpu_out() override { return rows_.data(); }
+    void combine(const MoeStep &s) override;
+
+  private:
+    int64_t n_embd_;
+    std::vector<float> rows_;  // [max_pairs][n_embd]
+    float *out_ = nullptr;
+};
+
 struct HybridMoeConfig {
-    HybridRule rule;                     // cpu_threshold
-    int32_t prefetch_window = 0;         // layers ahead the predictor is asked about; 0 = no prefetch
-    int32_t prefetch_max_per_layer = 0;  // new prefetch loads per predicted layer and step; 0 = top_k
-    int64_t predict_max_tokens = 4;      // the predictor sees at most the last this many tokens of a batch
-                                         // (prefill would cost tokens x window x experts x n_embd for Fate)
+    PlannerConfig planner;           // rule (cost model or --cpu-threshold), streaming, prefetch limits, dump
+    int64_t predict_max_tokens = 4;  // the predictor sees at most the last this many tokens of a batch
+                                     // (prefill would cost tokens x window x experts x n_embd for Fate)
 };
 
-/// Timings of the host side, for the exit summary (microseconds, summed over layers and steps).
-struct HybridMoeStats {
-    double cpu_expert_us = 0;  // host threads running CPU experts
-    double predict_us = 0;     // predictor + prefetch submission
-    double wait_issue_us = 0;  // host blocked until demand copies were issued (also in the cache's stall_us)
-    double device_stall_us = 0;  // compute stream waiting for expert bytes (event-timed; in stall_us too)
-    uint64_t layers = 0;
-    uint64_t streamed = 0;     // STREAM experts run on the GPU in waves after wave 0
-    uint64_t stream_waves = 0; // those waves
-};
-
-/// PRECONDITIONS: one thread (the runtime's); model, store, plan, device and (optional) cache, loader,
-/// predictor, backend outlive it. cache and loader are both set or both null (null: every expert on the CPU).
-/// Nothing allocates after the constructor.
+/// PRECONDITIONS: one thread (the runtime's); model, store, placement, device and (optional) cache, loader,
+/// engine, predictor, backend outlive it. cache, loader and engine are all set or all null (null: the all-CPU
+/// plan). Nothing allocates after the constructor (but the layer-state dump when asked for).
 class HybridMoe {
   public:
-    HybridMoe(const Model &model, const ExpertStore &store, const PlacementPlan &plan, ExpertCache *cache,
-              ExpertLoader *loader, Predictor *predictor, MoeDevice &device, Backend *backend,
-              const HybridMoeConfig &config, int64_t max_tokens, bool shared_on_device);
+    HybridMoe(const Model &model, const ExpertStore &store, const PlacementPlan &placement, ExpertCache *cache,
+              ExpertLoader *loader, CopyEngine *engine, Predictor *predictor, MoeDevice &device, Backend *backend,
+              const CostModel &cost, const HybridMoeConfig &config, int64_t max_tokens, bool shared_on_device);
     ~HybridMoe();
     HybridMoe(const HybridMoe &) = delete;
     HybridMoe &operator=(const HybridMoe &) = delete;
@@ -98,48 +129,69 @@ class HybridMoe {
     /// returns; r: the routing (ids, weights) of those tokens; shared_gate: [r.n_tok] shared-expert gate
     /// logits when the device runs the shared expert, else empty. Queues the combined output on the device.
     void run_layer(int32_t layer, const float *h, const Routing &r, std::span<const float> shared_gate);
-    /// Reads the device stall timings of layers whose events completed (call after a step's final sync).
+    /// Reads the device timings of layers whose events completed (stall, GPU finish) and the copy engine's
+    /// speed, and hands them to the load balancer (call after a step's final sync).
     void collect_timings();
     /// A new sequence: the predictor forgets its history.
     void reset() {
         if (predictor_) predictor_->reset();
     }
 
-    const LayerDecision &last_decision() const { return decision_; }
+    const LayerPlan &last_plan() const { return plan_; }
     const MoeStep &last_step() const { return step_; }
-    const HybridMoeStats &stats() const { return stats_; }
+    /// The planner (cost model, load balancer); null for the all-CPU plan.
+    const LayerPlanner *planner() const { return planner_.get(); }
+    /// Called at each step of run_layer (tests assert the order).
+    std::function<void(int32_t layer, LayerStep)> on_step;
 
   private:
-    void build_step(int32_t layer, const Routing &r, std::span<const float> shared_gate);
+    void step(LayerStep s);
+    void predict(int32_t layer, const float *h, const Routing &r);
+    void build_step(const Routing &r, std::span<const float> shared_gate);
+    void launch(int32_t wave, int32_t begin, int32_t end);
     void begin_wave(int32_t first);
+    void prefetch();
     void run_cpu_experts(const float *h);
-    void prefetch(int32_t layer, const float *h, const Routing &r);
+    LayerStats *stats(int32_t layer) { return cache_ ? &cache_->layer_stats(layer) : nullptr; }
 
     const Model &model_;
     const ExpertStore &store_;
-    const PlacementPlan &plan_;
+    const PlacementPlan &placement_;
     ExpertCache *cache_;
     ExpertLoader *loader_;
+    CopyEngine *engine_;
     Predictor *predictor_;
     MoeDevice &device_;
     Backend *backend_;
     HybridMoeConfig config_;
     bool shared_on_device_;
     int64_t max_tokens_;
+    std::unique_ptr<LayerPlanner> planner_;  // null without a cache
 
-    LayerDecision decision_;
-    LayerDecision wave_;  // the STREAM experts of the next wave, as FETCH entries (in gpu order)
+    LayerPlan plan_;
+    LayerDecision wave_;  // the experts of the next wave (split FETCH or STREAM), as FETCH entries
     MoeStep step_;
-    int32_t n_wave0_ = 0;  // HIT + FETCH experts: GPU experts [0, n_wave0_) of step_
-    std::vector<int32_t> stream_index_;  // [n_experts] decision_.experts index of GPU expert n_wave0_ + i
+    int32_t n_wave0_ = 0;   // GPU experts [0, n_wave0_) of step_ are wave 0
+    int32_t n_fetch_wave_ = 0;  // split: the FETCH wave [n_wave0_, n_wave0_ + n_fetch_wave_)
+    std::vector<int32_t> gpu_index_;  // [n_experts] plan_.decision.experts index of GPU expert i
     std::vector<int8_t> site_;        // [n_experts] scratch: 0 not routed, 1 GPU, 2 CPU
     std::vector<int32_t> index_;      // [n_experts] scratch: position of the expert in gpu_/cpu_ lists
     std::vector<int32_t> fill_;       // [n_experts] scratch: next pair of each expert
-    std::vector<std::vector<float>> scratch_;  // per thread: gathered rows, gate/up, output
-    PrefetchList prefetch_list_;
-    std::vector<Event> stall_begin_, stall_end_;  // [n_layers] timing events around the copy waits
-    std::vector<uint8_t> stall_pending_;          // [n_layers]
-    HybridMoeStats stats_;
+    CpuExpertRunner cpu_runner_;
+    PrefetchList predicted_;
+    std::vector<PrefetchRequest> prefetch_list_;  // the plan's prefetches as loader requests
+    std::vector<int32_t> prefetch_slots_;         // the slot each of them got
+    int32_t step_layer_ = -1;
+    int last_step_ = -1;
+    double layer_t0_us_ = 0;      // host clock at run_layer's start
+    double cpu_end_us_ = -1;      // this layer's CPU experts finished, from layer_t0_us_
+    double host_us_estimate_ = 0; // moving average of predictor + prefetch time
+    // Device timings, read one step later: events around the copy waits and after the last launch.
+    std::vector<Event> stall_begin_, stall_end_, gpu_done_;  // [n_layers]
+    std::vector<uint8_t> timing_pending_;                     // [n_layers]
+    std::vector<double> pending_cpu_end_us_, pending_gpu_predicted_us_;
+    std::vector<uint8_t> pending_simple_;                     // [n_layers] one wave, no split: compute is timed
+    CopyStats copy_seen_;  // engine counters at the last collect_timings
 };
 
 } // namespace prescope

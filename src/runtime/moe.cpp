@@ -1,8 +1,9 @@
-// MoE router and CPU expert executor.
+// MoE router, the batched CPU expert runner and the CPU engine's executor (the all-CPU plan).
 #include "runtime/moe.h"
 
 #include "core/error.h"
 #include "core/memory.h"
+#include "runtime/hybrid-moe.h"
 
 #include <algorithm>
 
@@ -32,79 +33,93 @@ void cpu_expert_ffn(const TensorView &gate, const TensorView &up, const TensorVi
                     const float *x, int64_t m, float *scratch, float *y) {
     const int64_t n_ff = gate.ne[1];
     float *g = scratch, *u = scratch + m * n_ff;
-    cpu::matmul(gate, x, m, g, expert);
-    cpu::matmul(up, x, m, u, expert);
+    if (gate.type == up.type) {
+        // One batch, so that x is quantized once for both (cpu::matmul_batch).
+        const cpu::MatmulJob jobs[2] = {{gate.matrix(expert), x, m, g}, {up.matrix(expert), x, m, u}};
+        cpu::matmul_batch(gate.type, gate.ne[0], n_ff, jobs, 2);
+    } else {
+        cpu::matmul(gate, x, m, g, expert);
+        cpu::matmul(up, x, m, u, expert);
+    }
     cpu::swiglu(g, u, g, m * n_ff);
     cpu::matmul(down, g, m, y, expert);
 }
 
-CpuExpertExecutor::CpuExpertExecutor(const Model &model, int64_t max_tokens)
-    : model_(model), max_tokens_(max_tokens) {
-    const HParams &hp = model.hp();
-    const size_t pairs = size_t(max_tokens * hp.n_expert_used);
-    check_host_memory(pairs * (2 * sizeof(int32_t) + 2 * sizeof(float) * size_t(hp.n_embd + hp.n_ff_exp)),
-                      fmt::format("the CPU expert buffers for {} tokens per batch (-b)", max_tokens));
-    count_.resize(size_t(hp.n_expert));
-    offset_.resize(size_t(hp.n_expert) + 1);
-    fill_.resize(size_t(hp.n_expert));
-    order_.resize(pairs);
-    row_of_.resize(pairs);
-    xg_.resize(pairs * size_t(hp.n_embd));
-    gate_.resize(pairs * size_t(hp.n_ff_exp));
-    up_.resize(pairs * size_t(hp.n_ff_exp));
-    y_.resize(pairs * size_t(hp.n_embd));
-    jobs_.reserve(2 * size_t(hp.n_expert));
+CpuExpertRunner::CpuExpertRunner(int64_t n_embd, int64_t max_n_ff, int64_t max_pairs)
+    : n_embd_(n_embd), max_n_ff_(max_n_ff), max_pairs_(max_pairs) {
+    check_host_memory(size_t(max_pairs) * sizeof(float) * size_t(n_embd + 2 * max_n_ff),
+                      fmt::format("the CPU expert buffers for {} (token, expert) pairs per batch (-b)", max_pairs));
+    xg_.resize(size_t(max_pairs * n_embd));
+    gate_.resize(size_t(max_pairs * max_n_ff));
+    up_.resize(size_t(max_pairs * max_n_ff));
 }
 
-void CpuExpertExecutor::run(int64_t layer, const float *x, const Routing &r, float *out) {
-    const HParams &hp = model_.hp();
-    const LayerWeights &l = model_.weights().layers[size_t(layer)];
-    const int64_t n_embd = hp.n_embd, n_ff = hp.n_ff_exp, k = r.k, n_pairs = r.n_tok * r.k;
-    PRESCOPE_ASSERT(r.n_tok <= max_tokens_ && k == hp.n_expert_used);
-
-    // Counting sort of the (token, slot) pairs by expert; gather their inputs in that order.
-    std::fill(count_.begin(), count_.end(), 0);
-    for (int64_t i = 0; i < n_pairs; ++i) count_[size_t(r.ids[size_t(i)])]++;
-    offset_[0] = 0;
-    for (int64_t e = 0; e < hp.n_expert; ++e) offset_[size_t(e) + 1] = offset_[size_t(e)] + count_[size_t(e)];
-    std::copy(offset_.begin(), offset_.end() - 1, fill_.begin());
-    for (int64_t i = 0; i < n_pairs; ++i) {
-        const int32_t row = fill_[size_t(r.ids[size_t(i)])]++;
-        order_[size_t(row)] = int32_t(i);
-        row_of_[size_t(i)] = row;
-    }
-    for (int64_t row = 0; row < n_pairs; ++row) {
-        std::copy_n(x + (order_[size_t(row)] / k) * n_embd, n_embd, xg_.data() + row * n_embd);
-    }
-
-    // gate and up of every active expert in one batch, SwiGLU, then down in one batch.
+void CpuExpertRunner::run(const ExpertStore &store, int32_t layer, int32_t n, const int32_t *experts,
+                          const int32_t *offsets, const int32_t *rows, const float *x, float *y) {
+    if (n == 0) return;
+    const int64_t n_pairs = offsets[n];
+    PRESCOPE_ASSERT(n_pairs <= max_pairs_);
+    const int64_t n_embd = n_embd_;
+    for (int64_t p = 0; p < n_pairs; ++p) std::copy_n(x + int64_t(rows[p]) * n_embd, n_embd, xg_.data() + p * n_embd);
+    const ExpertViews first = store.cpu_views(layer, experts[0]);
+    const int64_t n_ff = first.gate.ne[1];
+    PRESCOPE_ASSERT(n_ff <= max_n_ff_);
+    const bool one_batch = first.gate.type == first.up.type;
     jobs_.clear();
-    for (int64_t e = 0; e < hp.n_expert; ++e) {
-        if (count_[size_t(e)] == 0) continue;
-        const int64_t first = offset_[size_t(e)];
-        jobs_.push_back({l.gate_exps.matrix(e), xg_.data() + first * n_embd, count_[size_t(e)], gate_.data() + first * n_ff});
-        jobs_.push_back({l.up_exps.matrix(e), xg_.data() + first * n_embd, count_[size_t(e)], up_.data() + first * n_ff});
+    for (int32_t i = 0; i < n; ++i) {
+        const ExpertViews v = store.cpu_views(layer, experts[i]);
+        const int64_t p0 = offsets[i], m = offsets[i + 1] - p0;
+        jobs_.push_back({v.gate.matrix(v.index), xg_.data() + p0 * n_embd, m, gate_.data() + p0 * n_ff});
+        if (one_batch) jobs_.push_back({v.up.matrix(v.index), xg_.data() + p0 * n_embd, m, up_.data() + p0 * n_ff});
     }
-    cpu::matmul_batch(l.gate_exps.type, n_embd, n_ff, jobs_.data(), int64_t(jobs_.size()));
+    // gate and up of every expert in one batch (when their dtypes agree), SwiGLU, then down in one batch.
+    cpu::matmul_batch(first.gate.type, n_embd, n_ff, jobs_.data(), int64_t(jobs_.size()));
+    if (!one_batch) {
+        jobs_.clear();
+        for (int32_t i = 0; i < n; ++i) {
+            const ExpertViews v = store.cpu_views(layer, experts[i]);
+            const int64_t p0 = offsets[i], m = offsets[i + 1] - p0;
+            jobs_.push_back({v.up.matrix(v.index), xg_.data() + p0 * n_embd, m, up_.data() + p0 * n_ff});
+        }
+        cpu::matmul_batch(first.up.type, n_embd, n_ff, jobs_.data(), int64_t(jobs_.size()));
+    }
     cpu::swiglu(gate_.data(), up_.data(), gate_.data(), n_pairs * n_ff);
     jobs_.clear();
-    for (int64_t e = 0; e < hp.n_expert; ++e) {
-        if (count_[size_t(e)] == 0) continue;
-        const int64_t first = offset_[size_t(e)];
-        jobs_.push_back({l.down_exps.matrix(e), gate_.data() + first * n_ff, count_[size_t(e)], y_.data() + first * n_embd});
+    for (int32_t i = 0; i < n; ++i) {
+        const ExpertViews v = store.cpu_views(layer, experts[i]);
+        const int64_t p0 = offsets[i], m = offsets[i + 1] - p0;
+        jobs_.push_back({v.down.matrix(v.index), gate_.data() + p0 * n_ff, m, y + p0 * n_embd});
     }
-    cpu::matmul_batch(l.down_exps.type, n_ff, n_embd, jobs_.data(), int64_t(jobs_.size()));
+    cpu::matmul_batch(first.down.type, n_ff, n_embd, jobs_.data(), int64_t(jobs_.size()));
+}
 
-    // Weighted sum in top-k order (HF and llama.cpp add the k expert outputs in that order).
-    for (int64_t t = 0; t < r.n_tok; ++t) {
-        float *o = out + t * n_embd;
-        std::fill_n(o, n_embd, 0.0f);
-        for (int64_t j = 0; j < k; ++j) {
-            const float w = r.weights[size_t(t * k + j)];
-            const float *y = y_.data() + int64_t(row_of_[size_t(t * k + j)]) * n_embd;
-            for (int64_t c = 0; c < n_embd; ++c) o[c] += w * y[c];
-        }
+// The all-CPU plan: no GPU cache, so the MoE block's executor runs every routed expert on the host.
+struct CpuExpertExecutor::Impl {
+    Impl(const Model &model, int64_t max_tokens)
+        : store(model, nullptr, cpu_only_store(model)),
+          placement(PlacementPlan::uniform(int32_t(model.hp().n_layer), int32_t(model.hp().n_expert))),
+          device(model.hp().n_embd, max_tokens * model.hp().n_expert_used),
+          moe(model, store, placement, nullptr, nullptr, nullptr, nullptr, device, nullptr, CostModel{}, {}, max_tokens,
+              /*shared_on_device=*/false) {}
+    static ExpertStoreConfig cpu_only_store(const Model &model) {
+        ExpertStoreConfig c;
+        c.fetchable.assign(size_t(model.hp().n_layer * model.hp().n_expert), 0);  // read in place, never copied
+        return c;
     }
+    ExpertStore store;
+    PlacementPlan placement;
+    HostMoeDevice device;
+    HybridMoe moe;
+};
+
+CpuExpertExecutor::CpuExpertExecutor(const Model &model, int64_t max_tokens)
+    : impl_(std::make_unique<Impl>(model, max_tokens)) {}
+
+CpuExpertExecutor::~CpuExpertExecutor() = default;
+
+void CpuExpertExecutor::run(int64_t layer, const float *x, const Routing &r, float *out) {
+    impl_->device.set_output(out);
+    impl_->moe.run_layer(int32_t(layer), x, r, {});
 }
 
 } // namespace prescope

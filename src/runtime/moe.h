@@ -4,8 +4,10 @@
 #pragma once
 
 #include "arch/arch.h"
+#include "offload/expert-store.h"
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 namespace prescope {
@@ -34,24 +36,37 @@ class ExpertExecutor {
     virtual void run(int64_t layer, const float *x, const Routing &r, float *out) = 0;
 };
 
-/// Runs every expert on the CPU from the mapped weights: the (token, slot) pairs are grouped by
-/// expert, then each projection of all active experts is one cpu::matmul_batch (one parallel region
-/// per projection instead of one per expert). Buffers are sized once for up to max_tokens tokens.
+/// The CPU experts of one layer, batched: every expert's gate and up products in one parallel region (one
+/// cpu::matmul_batch), SwiGLU over all pairs, then every down product in another (llama.cpp's mul_mat_id does
+/// the same). Buffers are sized once for up to max_pairs (token, expert) pairs.
+class CpuExpertRunner {
+  public:
+    CpuExpertRunner() = default;
+    CpuExpertRunner(int64_t n_embd, int64_t max_n_ff, int64_t max_pairs);
+    /// y[p] = expert(x[rows[p]]) for the n experts of `layer`: experts[i] (read from wherever the store keeps
+    /// it, ExpertStore::cpu_views) owns pairs [offsets[i], offsets[i+1]). x: [tokens][n_embd] F32;
+    /// y: [offsets[n]][n_embd] F32. Same results as cpu_expert_ffn per expert.
+    void run(const ExpertStore &store, int32_t layer, int32_t n, const int32_t *experts, const int32_t *offsets,
+             const int32_t *rows, const float *x, float *y);
+
+  private:
+    int64_t n_embd_ = 0, max_n_ff_ = 0, max_pairs_ = 0;
+    std::vector<float> xg_;             // [max_pairs][n_embd] gathered inputs, by expert
+    std::vector<float> gate_, up_;      // [max_pairs][max_n_ff]
+    std::vector<cpu::MatmulJob> jobs_;  // reused job lists
+};
+
+/// The CPU engine's MoE block: the all-CPU plan through the one MoE executor (runtime/hybrid-moe.h) with the
+/// host as its device half, the experts read in place from the mapped weights.
 class CpuExpertExecutor final : public ExpertExecutor {
   public:
     CpuExpertExecutor(const Model &model, int64_t max_tokens);
+    ~CpuExpertExecutor() override;
     void run(int64_t layer, const float *x, const Routing &r, float *out) override;
 
   private:
-    const Model &model_;
-    int64_t max_tokens_;
-    std::vector<int32_t> count_, offset_, fill_;  // per expert: pairs, first sorted row, fill cursor
-    std::vector<int32_t> order_;                  // sorted row -> pair index (t * k + j)
-    std::vector<int32_t> row_of_;                 // pair index -> sorted row
-    std::vector<float> xg_;                       // [max_tokens * k][n_embd] gathered inputs, by expert
-    std::vector<float> gate_, up_;                // [max_tokens * k][n_ff]
-    std::vector<float> y_;                        // [max_tokens * k][n_embd] expert outputs, by expert
-    std::vector<cpu::MatmulJob> jobs_;            // reused job lists
+    struct Impl;
+    std::unique_ptr<Impl> impl_;
 };
 
 /// Runs one expert on the CPU for m gathered rows: y[m][n_embd] = down(silu(gate(x)) * up(x)).

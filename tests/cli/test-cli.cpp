@@ -128,11 +128,11 @@ TEST(Cli, UnsupportedDtype) {
     TinyModelSpec s;
     s.n_embd = 256;
     s.edit = [](std::string &name, auto &, uint32_t &type) {
-        if (name == "token_embd.weight") type = 12;
+        if (name == "token_embd.weight") type = 19;  // iq1_s
     };
     const std::string p = tmp("dtype.gguf");
     prescope::test::write_tiny_model(p, s);
-    expect_generate_error(p, {p, "'token_embd.weight' has unsupported dtype q4_K", "supported: f32, f16, bf16, q8_0"});
+    expect_generate_error(p, {p, "'token_embd.weight' has unsupported dtype iq1_s", "supported: f32, f16, bf16, q8_0, q4_0"});
 }
 
 TEST(Cli, UnsupportedArchitecture) {
@@ -193,6 +193,68 @@ TEST(Cli, BenchStaysWithinTheContext) {
     EXPECT_EQ(r.exit_code, 1) << r.out;
     EXPECT_NE(r.out.find("need a context of 201 tokens"), std::string::npos) << r.out;
     EXPECT_NE(r.out.find("-c 100"), std::string::npos) << r.out;
+}
+
+// The scheduler's tools: simulate on a committed trace writes one JSON row and dumps layer states that
+// schedule-check replays against the ILP; calibrate writes a profile labelled with what it measured; bad input
+// is one error line.
+TEST(Cli, SimulateDumpsStatesThatScheduleCheckReplays) {
+    const std::string states = tmp("states.jsonl"), gap = tmp("gap.json");
+    const RunResult sim = run("simulate --trace " + std::string(PRESCOPE_SOURCE_DIR) +
+                              "/traces/demo-test.pstrace --shape qwen3-30b-a3b --budget 1GiB -p 8 -n 8 "
+                              "--dump-layer-states " + states);
+    ASSERT_EQ(sim.exit_code, 0) << sim.out;
+    EXPECT_NE(sim.out.find("\"simulated\":true"), std::string::npos) << sim.out;
+    EXPECT_NE(sim.out.find("cost model:"), std::string::npos) << sim.out;
+    const RunResult check = run("schedule-check " + states + " --json " + gap);
+    ASSERT_EQ(check.exit_code, 0) << check.out;
+    EXPECT_NE(check.out.find("within 5% of the optimum"), std::string::npos) << check.out;
+    EXPECT_TRUE(fs::exists(gap));
+    std::ofstream(states, std::ios::app) << "{\"layer\": 1}\n";
+    const RunResult bad = run("schedule-check " + states);
+    EXPECT_EQ(bad.exit_code, 1) << bad.out;
+    EXPECT_NE(bad.out.find("error: " + states + ":"), std::string::npos) << bad.out;
+    fs::remove(states);
+    fs::remove(gap);
+}
+
+TEST(Cli, SimulateAndCalibrateRefuseBadInput) {
+    const std::string trace = std::string(PRESCOPE_SOURCE_DIR) + "/traces/demo-test.pstrace";
+    RunResult r = run("simulate --trace " + trace + " --shape llama-70b");
+    EXPECT_EQ(r.exit_code, 1) << r.out;
+    EXPECT_NE(r.out.find("unknown expert shape 'llama-70b'"), std::string::npos) << r.out;
+    r = run("simulate --trace " + trace + " --truth cpu=-1");
+    EXPECT_EQ(r.exit_code, 1) << r.out;
+    EXPECT_NE(r.out.find("--truth"), std::string::npos) << r.out;
+    r = run("simulate --trace " + trace + " --budget 1KiB");
+    EXPECT_EQ(r.exit_code, 1) << r.out;
+    EXPECT_NE(r.out.find("need at least"), std::string::npos) << r.out;
+    const std::string profile = tmp("profile.json");
+    std::ofstream(profile) << "{\"format\": \"prescope-cost-profile\", \"version\": 2}";
+    r = run("simulate --trace " + trace + " --profile " + profile);
+    EXPECT_EQ(r.exit_code, 1) << r.out;
+    EXPECT_NE(r.out.find(profile + ": 'version' must be 1"), std::string::npos) << r.out;
+    fs::remove(profile);
+}
+
+TEST(Cli, CalibrateWritesAProfileSayingWhatWasMeasured) {
+    const std::string model = valid_model(), out = tmp("calibrated.json");
+    const RunResult r = run("calibrate -m " + model + " -o " + out + " -t 1 --budget-s 0.2");
+    ASSERT_EQ(r.exit_code, 0) << r.out;
+    std::ifstream in(out);
+    const std::string text{std::istreambuf_iterator<char>(in), {}};
+    EXPECT_NE(text.find("CPU terms measured"), std::string::npos) << text;
+    EXPECT_NE(text.find("cpu_us_by_tokens"), std::string::npos) << text;
+    // A machine without a GPU keeps the reference's GPU terms and says so.
+    if (r.out.find("no GPU measurement") != std::string::npos) {
+        EXPECT_NE(text.find("not measured"), std::string::npos) << text;
+    }
+    // The profile drives a simulation of the model's expert shape (the trace gives the routing).
+    const RunResult sim = run("simulate --trace " + std::string(PRESCOPE_SOURCE_DIR) +
+                              "/traces/demo-test.pstrace -m " + model + " --profile " + out + " -p 0 -n 4 -t 1");
+    EXPECT_EQ(sim.exit_code, 0) << sim.out;
+    EXPECT_NE(sim.out.find("measured"), std::string::npos) << sim.out;
+    fs::remove(out);
 }
 
 // ---- issue 15: the papercuts a llama.cpp user trips on ---------------------------------------------------
@@ -388,4 +450,3 @@ TEST(Cli, PassiveWaitingKeepsDecodeAliveBesideBusyCpus) {
     std::printf("under load, decode tok/s: default (%d threads, passive) %.1f, -t 1 %.1f, ratio %.2f; "
                 "spinning (GOMP_SPINCOUNT=300000) %.1f, ratio to -t 1 %.3f\n", n_cpus, a, o, a / o, s, s / o);
     EXPECT_GT(a, 0.25 * o) << "the default thread count collapses beside busy CPUs: " << a << " tok/s, -t 1 " << o;
-}

@@ -1,9 +1,12 @@
 // Test-only builder of a tiny random-weight qwen3moe GGUF (F32), with hooks to break it on purpose.
 #pragma once
 
+#include "format/gguf.h"
 #include "gguf-writer.h"
+#include "random-blocks.h"
 
 #include <functional>
+#include <map>
 #include <random>
 
 namespace prescope::test {
@@ -13,8 +16,11 @@ struct TinyModelSpec {
     uint32_t n_layer = 2, n_embd = 32, n_head = 4, n_head_kv = 2, head_dim = 8;
     uint32_t n_expert = 4, n_expert_used = 2, n_ff = 32, n_vocab = 64, n_ctx = 128;
     /// Called for every tensor before it is written: may rename it (empty name drops it), change its
-    /// shape or its ggml type id (the data are resized to match).
+    /// shape or its ggml type id. Tensors given a weight dtype other than F32 hold random blocks of it
+    /// (test::random_weights, seeded by the name); other ids get bytes of the right size.
     std::function<void(std::string &name, std::vector<uint64_t> &ne, uint32_t &type)> edit;
+    /// Write such tensors as F32 holding their dequantized values: the same model in F32.
+    bool dequantize = false;
     /// Tensors written after the model's own (F32, random), e.g. ones the architecture does not use.
     std::vector<std::pair<std::string, std::vector<uint64_t>>> extra;
 };
@@ -80,8 +86,18 @@ inline void write_tiny_model(const std::string &path, const TinyModelSpec &s) {
         for (float &x : v) x = ones ? 1.0f : dist(rng);
         std::vector<uint8_t> bytes(v.size() * 4);
         std::memcpy(bytes.data(), v.data(), bytes.size());
-        if (type == 8) bytes.resize(n / 32 * 34);       // q8_0 size
-        else if (type == 12) bytes.resize(n / 256 * 144);  // q4_K size
+        if (const auto dt = dtype_from_ggml(type); dt && type != 0) {
+            const uint32_t seed = uint32_t(std::hash<std::string>{}(name));
+            bytes = random_weights(*dt, int64_t(n / ne[0]), int64_t(ne[0]), seed);
+            if (s.dequantize) {
+                dequantize_row(*dt, bytes.data(), v.data(), int64_t(n));
+                bytes.resize(v.size() * 4);
+                std::memcpy(bytes.data(), v.data(), bytes.size());
+                type = 0;
+            }
+        } else if (const auto block = ggml_type_block(type); block && type != 0) {
+            bytes.resize(n / uint64_t(block->first) * block->second);
+        }
         w.tensor(name, type, ne, bytes);
     };
     const uint64_t q = s.n_head * s.head_dim, kv = s.n_head_kv * s.head_dim;
@@ -104,6 +120,30 @@ inline void write_tiny_model(const std::string &path, const TinyModelSpec &s) {
     }
     for (const auto &[name, ne] : s.extra) add(name, ne, false);
     w.write(path);
+}
+
+/// A model whose tensors mix dtypes as llama-quantize's presets do (Q4_K_M keeps some expert down
+/// projections in Q6_K; gate and up, attention, router and embeddings each in their own type), covering
+/// every weight type; with `dequantize`, the same model with every tensor stored as F32.
+inline TinyModelSpec mixed_type_spec(bool dequantize) {
+    TinyModelSpec s;
+    s.n_embd = 256, s.n_ff = 256, s.head_dim = 64;  // K-quant rows are multiples of 256
+    s.dequantize = dequantize;
+    s.edit = [](std::string &name, auto &, uint32_t &type) {
+        static const std::map<std::string, DType> types = {
+            {"token_embd.weight", DType::Q6_K},
+            {"blk.0.attn_q.weight", DType::Q8_0},        {"blk.0.attn_k.weight", DType::Q5_0},
+            {"blk.0.attn_v.weight", DType::IQ4_NL},      {"blk.0.attn_output.weight", DType::Q4_1},
+            {"blk.0.ffn_gate_exps.weight", DType::Q4_K}, {"blk.0.ffn_up_exps.weight", DType::Q5_K},
+            {"blk.0.ffn_down_exps.weight", DType::Q6_K}, {"blk.1.attn_q.weight", DType::Q3_K},
+            {"blk.1.attn_k.weight", DType::Q2_K},        {"blk.1.attn_v.weight", DType::MXFP4},
+            {"blk.1.attn_output.weight", DType::Q5_1},   {"blk.1.ffn_gate_inp.weight", DType::Q4_0},
+            {"blk.1.ffn_gate_exps.weight", DType::IQ4_XS}, {"blk.1.ffn_up_exps.weight", DType::Q4_K},
+            {"blk.1.ffn_down_exps.weight", DType::Q4_K},
+        };
+        if (const auto it = types.find(name); it != types.end()) type = uint32_t(it->second);
+    };
+    return s;
 }
 
 } // namespace prescope::test

@@ -4,12 +4,14 @@
 // (CTest: skipped) when no CUDA device is usable, so CPU-only machines stay green.
 #include "../common/random-trace.h"
 #include "../common/reference-files.h"
+#include "../common/tiny-model.h"
 #include "arch/arch.h"
 #include "backend/cuda/cuda-backend.h"
 #include "core/error.h"
 #include "offload/expert-store.h"
 #include "offload/trace.h"
 #include "runtime/context.h"
+#include "runtime/engine.h"
 #include "runtime/gpu-context.h"
 #include "runtime/sampler.h"
 
@@ -78,7 +80,13 @@ double max_abs_diff(const std::vector<float> &a, const std::vector<float> &b) {
     return m;
 }
 
-class GpuReference : public ::testing::TestWithParam<fs::path> {};
+/// The HF references multiply F32 activations: these tests run with ActivationQuant::NONE on both engines
+/// (decision 0060); the demo and mixed-type tests run with the default, INT8.
+class GpuReference : public ::testing::TestWithParam<fs::path> {
+  protected:
+    void SetUp() override { set_activation_quant(ActivationQuant::NONE); }
+    void TearDown() override { set_activation_quant(ActivationQuant::INT8); }
+};
 
 
 } // namespace
@@ -111,16 +119,20 @@ TEST_P(GpuReference, GreedyTokensIdenticalToTheReferenceAtEveryBudget) {
     GpuContext all(*model, {n_ctx, 512}, offload(*model, model->hp().n_expert));
     const Greedy a = greedy(all, prompt, expected.size(), n_vocab);
     EXPECT_EQ(a.tokens, expected) << GetParam();
-    // A layer's top-k only: misses fetched on demand (threshold 0) or run on the CPU (threshold 2).
-    for (int32_t threshold : {0, 2}) {
+    // A layer's top-k only: misses fetched on demand (threshold 0), run on the CPU (threshold 2), or as the
+    // cost-model scheduler splits them (-1: split FETCH waves, installs, planned prefetches).
+    for (int32_t threshold : {0, 2, -1}) {
         GpuContext few(*model, {n_ctx, 512}, offload(*model, k, threshold));
         const Greedy b = greedy(few, prompt, expected.size(), n_vocab);
         EXPECT_EQ(b.tokens, expected) << GetParam() << " cpu_threshold " << threshold;
         EXPECT_LE(max_abs_diff(a.logits, b.logits), ref["tolerance"]["max_abs_logit_error"].get<double>())
             << "offloading changed the logits beyond the reference tolerance, cpu_threshold " << threshold;
-        const CacheLayerStats s = few.cache().total_stats();
+        const LayerStats s = few.cache().total_stats();
         EXPECT_GT(s.demand_misses + s.cpu_runs, 0u);
-        EXPECT_GT(few.copy_engine().stats().bytes_done, 0u);
+        if (threshold >= 0) {
+            EXPECT_GT(few.copy_engine().stats().bytes_done, 0u);
+        }
+        EXPECT_EQ(s.steps, uint64_t(model->hp().n_layer) * (1 + expected.size()));
     }
     // Every expert on the CPU beside GPU attention.
     GpuContext none(*model, {n_ctx, 512}, offload(*model, 0, 0, "none"));
@@ -142,7 +154,7 @@ TEST(GpuOffload, DecodeWithFewSlotsEqualsAllResidentBitForBit) {
     const Greedy b = greedy(few, prompt, 40, model->hp().n_vocab);
     EXPECT_EQ(a.tokens, b.tokens);
     EXPECT_EQ(max_abs_diff(a.logits, b.logits), 0.0);
-    const CacheLayerStats s = few.cache().total_stats();
+    const LayerStats s = few.cache().total_stats();
     EXPECT_EQ(s.cpu_runs, 0u);
     EXPECT_GT(s.hits, 0u);
     EXPECT_GT(s.demand_misses, 0u);
@@ -198,6 +210,39 @@ TEST(GpuOffload, DemoModelCpuAndGpuAgree) {
         std::fprintf(stderr, "%s, %lld slots per layer:\n%s", f.filename().c_str(),
                      (long long)(model->hp().n_expert_used + 1), few.stats_text().c_str());
     }
+}
+
+// A file whose tensors mix every weight type (tests/common/tiny-model.h), experts of two sizes: the GPU at a
+// full and a small budget (misses fetched or run on the CPU) against the CPU engine. With F32 activations
+// both multiply the same dequantized weights (1e-4 of the largest logit); with INT8 activations both
+// quantize them by the same rule, so greedy decoding agrees too.
+TEST(GpuOffload, MixedTypeFileCpuAndGpuAgree) {
+    const std::string path = (fs::temp_directory_path() / ("prescope-gpu-mixed-" + std::to_string(getpid()) + ".gguf"))
+                                 .string();
+    test::write_tiny_model(path, test::mixed_type_spec(false));
+    const auto model = Model::load(path);
+    const int64_t n_vocab = model->hp().n_vocab;
+    std::vector<int32_t> prompt;
+    for (int i = 0; i < 12; ++i) prompt.push_back(int32_t((i * 7 + 3) % n_vocab));
+    for (const ActivationQuant act : {ActivationQuant::NONE, ActivationQuant::INT8}) {
+        SCOPED_TRACE(act == ActivationQuant::NONE ? "f32 activations" : "int8 activations");
+        set_activation_quant(act);
+        CpuEngine cpu(*model, {64, 7}, OffloadConfig{});
+        const Greedy want = greedy(cpu, prompt, 8, n_vocab);
+        double scale = 0.0;
+        for (float v : want.logits) scale = std::max(scale, double(std::fabs(v)));
+        for (const OffloadConfig &c : {offload(*model, model->hp().n_expert), offload(*model, 2, 0),
+                                       offload(*model, 2, 1, "none")}) {
+            GpuContext gpu(*model, {64, 7}, c);
+            const Greedy got = greedy(gpu, prompt, 8, n_vocab);
+            EXPECT_EQ(got.tokens, want.tokens);
+            if (act == ActivationQuant::NONE) {
+                EXPECT_LE(max_abs_diff(got.logits, want.logits), 1e-4 * scale);
+            }
+        }
+    }
+    set_activation_quant(ActivationQuant::INT8);
+    fs::remove(path);
 }
 
 // --routing-trace: each layer's experts come from the trace, on the GPU as on the CPU.

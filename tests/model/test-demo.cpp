@@ -1,6 +1,9 @@
 // The shipped demo model (models/demo) against HF transformers on held-out test-split prompts
 // (tests/data/demo/reference.json, tools/py/make_demo_reference.py): identical prompt token ids,
-// identical greedy tokens for 64 steps, and logits within the stated tolerance.
+// identical greedy tokens for 64 steps, and logits within the stated tolerance. HF multiplies F32
+// activations, so the logits are compared with ActivationQuant::NONE; the greedy tokens also with the
+// default INT8 activations (llama.cpp's numerics), which move the logits by about 0.4 on this trained model
+// but leave every greedy step unchanged (decision 0060).
 #include "arch/arch.h"
 #include "runtime/context.h"
 #include "runtime/sampler.h"
@@ -44,19 +47,24 @@ TEST(Demo, TokenizerMatchesHfOnHeldOutPrompts) {
 TEST(Demo, GreedyTokensMatchHfFor64Steps) {
     const json ref = reference();
     ASSERT_GE(ref["prompts"].size(), 3u);
-    for (const auto &p : ref["prompts"]) {
-        const auto prompt = p["prompt_ids"].get<std::vector<int32_t>>();
-        const auto greedy = p["greedy"].get<std::vector<int32_t>>();
-        prescope::Context ctx(demo_model(), {int64_t(prompt.size() + greedy.size()) + 1, 512});
-        ctx.eval(prompt);
-        std::vector<int32_t> got;
-        for (size_t i = 0; i < greedy.size(); ++i) {
-            const int32_t next = prescope::argmax(ctx.logits().data(), demo_model().hp().n_vocab);
-            got.push_back(next);
-            ctx.eval({&next, 1});
+    for (const auto act : {prescope::ActivationQuant::INT8, prescope::ActivationQuant::NONE}) {
+        SCOPED_TRACE(act == prescope::ActivationQuant::INT8 ? "int8 activations" : "f32 activations");
+        prescope::set_activation_quant(act);
+        for (const auto &p : ref["prompts"]) {
+            const auto prompt = p["prompt_ids"].get<std::vector<int32_t>>();
+            const auto greedy = p["greedy"].get<std::vector<int32_t>>();
+            prescope::Context ctx(demo_model(), {int64_t(prompt.size() + greedy.size()) + 1, 512});
+            ctx.eval(prompt);
+            std::vector<int32_t> got;
+            for (size_t i = 0; i < greedy.size(); ++i) {
+                const int32_t next = prescope::argmax(ctx.logits().data(), demo_model().hp().n_vocab);
+                got.push_back(next);
+                ctx.eval({&next, 1});
+            }
+            EXPECT_EQ(got, greedy) << p["doc"];
         }
-        EXPECT_EQ(got, greedy) << p["doc"];
     }
+    prescope::set_activation_quant(prescope::ActivationQuant::INT8);
 }
 
 TEST(Demo, LogitsWithinTolerance) {
@@ -69,8 +77,10 @@ TEST(Demo, LogitsWithinTolerance) {
     std::ifstream(f, std::ios::binary).read(reinterpret_cast<char *>(expected.data()), std::streamsize(expected.size() * 4));
     ASSERT_EQ(expected.size(), rows.size() * size_t(n_vocab));
 
+    prescope::set_activation_quant(prescope::ActivationQuant::NONE);
     prescope::Context ctx(demo_model(), {int64_t(seq.size()), 32});
     ctx.eval(seq, /*all_logits=*/true);
+    prescope::set_activation_quant(prescope::ActivationQuant::INT8);
     const double tol = ref["tolerance"]["max_abs_logit_error"].get<double>();
     double max_err = 0.0;
     for (size_t r = 0; r < rows.size(); ++r) {

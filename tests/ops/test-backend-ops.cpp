@@ -1,11 +1,12 @@
 // Tier-2 op tests (docs/style R7): every CUDA op (src/backend/cuda) against its CPU twin
 // (backend/cpu/ops.h) on fresh random inputs, in the shape of ggml's test-backend-ops, scaled down.
 //
-//   test-backend-ops [test|perf] [-o OP[,OP...]] [--json FILE] [--seed N]
+//   test-backend-ops [test|perf] [-o OP[,OP...]] [-p REGEX] [--json FILE] [--seed N]
 //     test (default): every case once, outputs poisoned with NaN before the run, compared with the
 //                     CPU by normalised MSE (NaN or inf never passes); one table row per case.
 //     perf:           large shapes, timed with CUDA events (L2 flushed before each run), median of
 //                     the runs, GB/s against the H200's ~4.3 TB/s HBM; --json writes one row per case.
+//     -p REGEX:       only the cases whose parameter string (VARS) the regex finds (std::regex_search).
 //   Exit: 0 all passed, 1 a case failed, 2 bad arguments, 77 no CUDA device (CTest SKIP_RETURN_CODE).
 //
 // Thresholds (normalised MSE = sum (got - ref)^2 / sum ref^2, per case):
@@ -13,12 +14,17 @@
 //   up to 4096 terms: NMSE ~1e-11); dropping a single weight of 4096 already gives ~2e-4.
 // - kTight 1e-11: norms, softmax, elementwise ops, combine, router weights (a few ulp per element,
 //   NMSE ~1e-14); a relative error of 1e-5 in a norm's scale already gives 1e-10.
-// - cuBLAS path, activations rounded to BF16 (relative error <= 2^-9, NMSE ~1.3e-6): 1e-5; Q8_0,
-//   whose weights are rounded to BF16 as well: 2e-5; F16 activations (2^-12): 2e-7.
+// - Block-quantized weights (Q8_0, K-quants, ...) under ActivationQuant::INT8 (the default): both sides
+//   multiply the same dequantized weights and the same activations quantized to the vec-dot type and
+//   back (the CPU as integers), so the GEMV is kExact too (NMSE ~1e-14; ~1e-9 for Q4_1 / Q5_1, whose Q8_1
+//   activation blocks carry their sum as F16 for the CPU's min term); quantize_activations is exact.
+// - cuBLAS path, activations rounded to BF16 (relative error <= 2^-9, NMSE ~1.3e-6): 1e-5; block-quantized
+//   weights, which are rounded to BF16 as well: 2e-5; F16 activations (2^-12): 2e-7.
 // - rope 1e-7: a 1-ulp difference of powf for one frequency moves angles near 5000 rad by ~3e-4.
 // - get_rows: exact (dequantization is exact in F32 on both sides); router ids: exact.
 //
 // defines: helpers (Rng, DevBuf, nmse) | Case and one struct per op family | case lists | main
+#include "../common/random-blocks.h"
 #include "backend/cpu/ops.h"
 #include "backend/cuda/attention.cuh"
 #include "backend/cuda/common.cuh"
@@ -41,6 +47,7 @@
 #include <fstream>
 #include <memory>
 #include <numeric>
+#include <regex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -176,8 +183,11 @@ const char *path_name(cu::MatmulPath p) {
     return p == cu::MatmulPath::GEMV ? "gemv" : p == cu::MatmulPath::CUBLAS ? "cublas" : "auto";
 }
 
-/// n_rows x n weights of `type` from uniform F32 values (Q8_0 through ggml's reference quantizer).
+/// n_rows x n weights of `type` from uniform F32 values (Q8_0 through ggml's reference quantizer; the
+/// other block types as random blocks, tests/common/random-blocks.h).
 std::vector<uint8_t> make_weights(DType type, int64_t n_rows, int64_t n, Rng &rng) {
+    if (type != DType::Q8_0 && type != DType::F32 && type != DType::F16 && type != DType::BF16)
+        return test::random_weights(type, n_rows, n, rng.next());
     std::vector<uint8_t> out(cu::row_bytes(type, n) * size_t(n_rows));
     const std::vector<float> f = rng.floats(size_t(n_rows * n));
     for (int64_t r = 0; r < n_rows; ++r) {
@@ -191,7 +201,7 @@ std::vector<uint8_t> make_weights(DType type, int64_t n_rows, int64_t n, Rng &rn
         case DType::BF16:
             for (int64_t i = 0; i < n; ++i) reinterpret_cast<uint16_t *>(dst)[i] = fp32_to_bf16(src[i]);
             break;
-        case DType::Q8_0: quantize_row_q8_0(src, reinterpret_cast<BlockQ8_0 *>(dst), n); break;
+        default: quantize_row_q8_0(src, reinterpret_cast<BlockQ8_0 *>(dst), n); break;
         }
     }
     return out;
@@ -202,6 +212,10 @@ double matmul_tol(DType type, cu::MatmulPath path) {
     if (path == cu::MatmulPath::GEMV || type == DType::F32) return kExact;
     return type == DType::F16 ? 2e-7 : type == DType::BF16 ? 1e-5 : 2e-5;
 }
+
+/// Block-quantized weight types other than Q8_0 (the ones this harness makes as random blocks).
+constexpr DType kBlockTypes[] = {DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::Q2_K, DType::Q3_K,
+                                 DType::Q4_K, DType::Q5_K, DType::Q6_K, DType::IQ4_NL, DType::IQ4_XS, DType::MXFP4};
 
 /// The path a product of n_tok tokens takes (AUTO resolved as the library does, env override included).
 cu::MatmulPath resolved_path(DType type, int64_t n_tok, cu::MatmulPath path) {
@@ -230,24 +244,30 @@ struct Case {
     virtual std::vector<Check> compare() = 0;  // device outputs against the CPU's
     virtual double bytes() const = 0;          // least HBM traffic of one run (perf)
     virtual double flops() const { return 0.0; }
+    /// How activations meet quantized weights while the case runs (the harness sets it around the case).
+    virtual ActivationQuant activations() const { return ActivationQuant::INT8; }
 };
 
 struct MatmulCase : Case {
     DType type;
     int64_t n_in, n_out, n_tok;
     cu::MatmulPath path;
-    size_t misalign;  // weights start this many bytes after a 256-byte boundary (Q8_0: even)
+    size_t misalign;  // weights start this many bytes after a 256-byte boundary (block types: even, MXFP4: any)
+    ActivationQuant act;
     std::vector<uint8_t> w;
     std::vector<float> x, y_ref;
     DevBuf dw, dx, dy, ws;
 
-    MatmulCase(DType t, int64_t ni, int64_t no, int64_t nt, cu::MatmulPath p = cu::MatmulPath::AUTO, size_t mis = 0)
-        : type(t), n_in(ni), n_out(no), n_tok(nt), path(p), misalign(mis) {}
+    MatmulCase(DType t, int64_t ni, int64_t no, int64_t nt, cu::MatmulPath p = cu::MatmulPath::AUTO, size_t mis = 0,
+               ActivationQuant a = ActivationQuant::INT8)
+        : type(t), n_in(ni), n_out(no), n_tok(nt), path(p), misalign(mis), act(a) {}
     std::string op() const override { return "matmul"; }
     std::string vars() const override {
-        return strf("type=%s,n_in=%lld,n_out=%lld,n_tok=%lld,path=%s%s", dtype_name(type), (long long)n_in,
-                        (long long)n_out, (long long)n_tok, path_name(path), misalign ? ",misaligned" : "");
+        return strf("type=%s,n_in=%lld,n_out=%lld,n_tok=%lld,path=%s%s%s", dtype_name(type), (long long)n_in,
+                    (long long)n_out, (long long)n_tok, path_name(path), misalign ? ",misaligned" : "",
+                    act == ActivationQuant::NONE ? ",f32-activations" : "");
     }
+    ActivationQuant activations() const override { return act; }
     void init(Rng &rng) override {
         w = make_weights(type, n_out, n_in, rng);
         x = rng.floats(size_t(n_tok * n_in));
@@ -692,6 +712,48 @@ struct EltCase : Case {
     double bytes() const override { return double(a.size() * 8 + b.size() * 4); }
 };
 
+/// The activations quantized to a weight type's vec-dot type and back: exactly the CPU's values.
+struct QuantizeActivationsCase : Case {
+    DType type;  // weight type: Q8_0 (Q8_0 activations), Q4_1 (Q8_1), Q4_K (Q8_K)
+    int64_t n, n_rows;
+    bool gather;
+    std::vector<float> x, y_ref;
+    std::vector<int32_t> rows;
+    DevBuf dx, dy, drows;
+    QuantizeActivationsCase(DType t, int64_t nn, int64_t nr, bool g) : type(t), n(nn), n_rows(nr), gather(g) {}
+    std::string op() const override { return "quantize_act"; }
+    std::string vars() const override {
+        return strf("type=%s,act=%s,n=%lld,n_rows=%lld%s", dtype_name(type), dtype_name(vec_dot_type(type)),
+                    (long long)n, (long long)n_rows, gather ? ",gather" : "");
+    }
+    void init(Rng &rng) override {
+        x = rng.floats(size_t(n * n_rows), -4.0f, 4.0f);
+        // Ties of the rounding rules: blocks whose largest magnitude is 127 (scale 1) hold halves.
+        for (int64_t i = 0; i < n * n_rows; i += 64) x[size_t(i)] = i % 128 ? 127.0f : -127.0f;
+        for (int64_t i = 5; i < n * n_rows; i += 64) x[size_t(i)] = float(i % 11) - 4.5f;
+        std::fill_n(x.begin(), std::min<int64_t>(n, 256), 0.0f);  // an all-zero block
+        rows.resize(size_t(n_rows));
+        for (int32_t &r : rows) r = rng.below(int(n_rows));
+        dx = DevBuf(x), dy = DevBuf(x.size() * 4), drows = DevBuf(rows);
+    }
+    void reference() override {
+        const DType a = vec_dot_type(type);
+        std::vector<uint8_t> q(dtype_row_bytes(a, n));
+        y_ref.resize(x.size());
+        for (int64_t r = 0; r < n_rows; ++r) {
+            quantize_activations(a, x.data() + (gather ? rows[size_t(r)] : r) * n, q.data(), n);
+            dequantize_row(a, q.data(), y_ref.data() + r * n, n);
+        }
+    }
+    void poison() override { dy.poison(); }
+    void run() override {
+        cu::quantize_activations(type, dx.as<float>(), gather ? drows.as<int32_t>() : nullptr, n, n_rows,
+                                 dy.as<float>(), g_stream);
+    }
+    std::vector<Check> compare() override { return {exact("y", dy.download<float>(), y_ref)}; }
+    double bytes() const override { return double(x.size() * 8); }
+};
+
 struct GetRowsCase : Case {
     DType type;
     int64_t n_vocab, n_embd, n_tok;
@@ -824,6 +886,29 @@ CaseList test_cases() {
     add<ExpertMatmulCase>(l, DType::Q8_0, 2048, 768, 128, 8, 3, true, false, P::GEMV, 2);
     add<ExpertMatmulCase>(l, DType::Q8_0, 768, 2048, 128, 8, 50, false, true, P::AUTO, 10);
 
+    // Every other block type (rows of multiples of 256 for the K-quants): decode and prefill sizes, both
+    // paths, misaligned rows, F32 activations; the grouped expert product and the whole FFN.
+    for (DType t : kBlockTypes) {
+        add<MatmulCase>(l, t, 2048, 768, 1);
+        add<MatmulCase>(l, t, 768, 2048, 3);
+        add<MatmulCase>(l, t, 256, 64, 9);                                    // demo
+        add<MatmulCase>(l, t, 2048, 768, 40);                                 // AUTO: cuBLAS
+        add<MatmulCase>(l, t, 512, 96, 5, P::CUBLAS);
+        add<MatmulCase>(l, t, 512, 96, 2, P::GEMV, t == DType::MXFP4 ? 1 : 2);
+        add<MatmulCase>(l, t, 512, 96, 3, P::GEMV, 0, ActivationQuant::NONE);
+        add<ExpertMatmulCase>(l, t, 2048, 768, 128, 8, 1, true);
+        add<ExpertMatmulCase>(l, t, 768, 2048, 128, 8, 1, false);
+        add<ExpertMatmulCase>(l, t, 512, 256, 16, 4, 48, true, true);       // one expert on cuBLAS
+    }
+    add<MoeFfnCase>(l, DType::Q4_K, 2048, 768, 128, 8, 1);
+    add<MoeFfnCase>(l, DType::Q6_K, 2048, 768, 128, 8, 1);
+    add<MoeFfnCase>(l, DType::Q4_K, 256, 256, 32, 4, 17);
+    add<MoeFfnCase>(l, DType::MXFP4, 512, 256, 32, 4, 9);
+    for (DType t : {DType::Q8_0, DType::Q4_1, DType::Q4_K}) {
+        add<QuantizeActivationsCase>(l, t, 2048, 7, false);
+        add<QuantizeActivationsCase>(l, t, 768, 33, true);
+    }
+
     add<MoeFfnCase>(l, DType::Q8_0, 2048, 768, 128, 8, 1);
     add<MoeFfnCase>(l, DType::BF16, 2048, 768, 128, 8, 1);
     add<MoeFfnCase>(l, DType::Q8_0, 2048, 768, 128, 8, 48);
@@ -889,6 +974,7 @@ CaseList test_cases() {
         add<GetRowsCase>(l, t, 8192, 256, 7);
         add<GetRowsCase>(l, t, 32000, 2048, 5);
     }
+    for (DType t : kBlockTypes) add<GetRowsCase>(l, t, 1000, 512, 6);
     add<CombineCase>(l, 1, 8, 2048, false);
     add<CombineCase>(l, 64, 8, 2048, true);
     add<CombineCase>(l, 9, 4, 256, false);
@@ -897,6 +983,13 @@ CaseList test_cases() {
 
 CaseList perf_cases() {
     CaseList l;
+    for (DType t : {DType::Q4_K, DType::Q6_K, DType::Q5_K, DType::IQ4_XS, DType::MXFP4}) {
+        add<MatmulCase>(l, t, 2048, 768, 1);
+        add<ExpertMatmulCase>(l, t, 2048, 768, 128, 8, 1, true);
+        add<ExpertMatmulCase>(l, t, 768, 2048, 128, 8, 1, false);
+        add<ExpertMatmulCase>(l, t, 2048, 768, 128, 8, 512, true);
+    }
+    add<QuantizeActivationsCase>(l, DType::Q4_K, 2048, 4096, true);
     for (DType t : {DType::Q8_0, DType::BF16}) {
         add<MatmulCase>(l, t, 2048, 768, 1);                    // one expert matrix
         add<ExpertMatmulCase>(l, t, 2048, 768, 128, 8, 1, true); // decode, 8 experts (gate or up)
@@ -925,16 +1018,28 @@ CaseList perf_cases() {
 // ---------------------------------------------------------------------------------------------
 // main
 
-bool selected(const std::vector<std::string> &ops, const std::string &op) {
-    return ops.empty() || std::find(ops.begin(), ops.end(), op) != ops.end();
-}
+struct Filter {
+    std::vector<std::string> ops;  // empty: every op
+    std::string vars;              // regex on Case::vars(); empty: every case
+    bool operator()(const Case &c) const {
+        return (ops.empty() || std::find(ops.begin(), ops.end(), c.op()) != ops.end()) &&
+               (vars.empty() || std::regex_search(c.vars(), std::regex(vars)));
+    }
+};
 
-int run_tests(CaseList &cases, const std::vector<std::string> &ops, uint64_t seed) {
+/// Sets the case's activation mode for its lifetime in the harness.
+struct ScopedActivations {
+    explicit ScopedActivations(const Case &c) { set_activation_quant(c.activations()); }
+    ~ScopedActivations() { set_activation_quant(ActivationQuant::INT8); }
+};
+
+int run_tests(CaseList &cases, const Filter &filter, uint64_t seed) {
     int n_run = 0, n_ok = 0;
     std::printf("%-14s %-78s %-9s %10s %10s  %s\n", "OP", "VARS", "CHECK", "ERR", "TOL", "RESULT");
     for (size_t i = 0; i < cases.size(); ++i) {
         Case &c = *cases[i];
-        if (!selected(ops, c.op())) continue;
+        if (!filter(c)) continue;
+        const ScopedActivations act(c);
         Rng rng(seed + i);
         c.init(rng);
         c.reference();
@@ -954,7 +1059,7 @@ int run_tests(CaseList &cases, const std::vector<std::string> &ops, uint64_t see
     return n_ok == n_run ? 0 : 1;
 }
 
-int run_perf(CaseList &cases, const std::vector<std::string> &ops, uint64_t seed, const std::string &json_path) {
+int run_perf(CaseList &cases, const Filter &filter, uint64_t seed, const std::string &json_path) {
     DevBuf flush(size_t(256) << 20);  // several times the 60 MB L2
     cudaEvent_t e0, e1;
     CUDA_CHECK(cudaEventCreate(&e0));
@@ -963,7 +1068,8 @@ int run_perf(CaseList &cases, const std::vector<std::string> &ops, uint64_t seed
     std::printf("%-14s %-78s %6s %10s %10s %8s %9s\n", "OP", "VARS", "RUNS", "US", "GB/S", "%HBM", "TFLOP/S");
     for (size_t i = 0; i < cases.size(); ++i) {
         Case &c = *cases[i];
-        if (!selected(ops, c.op())) continue;
+        if (!filter(c)) continue;
+        const ScopedActivations act(c);
         Rng rng(seed + i);
         c.init(rng);
         for (int w = 0; w < 2; ++w) c.run();  // warm-up (cuBLAS handles, first-launch costs)
@@ -1003,23 +1109,25 @@ int run_perf(CaseList &cases, const std::vector<std::string> &ops, uint64_t seed
 int main(int argc, char **argv) {
     std::setvbuf(stdout, nullptr, _IOLBF, 0);  // rows reach the log even if a later case aborts
     std::string mode = "test", json_path;
-    std::vector<std::string> ops;
+    Filter filter;
     uint64_t seed = 1234;
     for (int i = 1; i < argc; ++i) {
         const std::string a = argv[i];
         if (a == "test" || a == "perf") {
             mode = a;
-        } else if ((a == "-o" || a == "--json" || a == "--seed") && i + 1 < argc) {
+        } else if ((a == "-o" || a == "-p" || a == "--json" || a == "--seed") && i + 1 < argc) {
             const std::string v = argv[++i];
             if (a == "--json") json_path = v;
             if (a == "--seed") seed = std::stoull(v);
+            if (a == "-p") filter.vars = v;
             for (size_t p = 0; a == "-o" && p <= v.size();) {
                 const size_t q = std::min(v.find(',', p), v.size());
-                ops.push_back(v.substr(p, q - p));
+                filter.ops.push_back(v.substr(p, q - p));
                 p = q + 1;
             }
         } else {
-            std::fprintf(stderr, "usage: %s [test|perf] [-o OP[,OP...]] [--json FILE] [--seed N]\n", argv[0]);
+            std::fprintf(stderr, "usage: %s [test|perf] [-o OP[,OP...]] [-p REGEX] [--json FILE] [--seed N]\n",
+                         argv[0]);
             return 2;
         }
     }
@@ -1040,7 +1148,7 @@ int main(int argc, char **argv) {
     cu::cublas_handle();
 
     CaseList cases = mode == "perf" ? perf_cases() : test_cases();
-    const int rc = mode == "perf" ? run_perf(cases, ops, seed, json_path) : run_tests(cases, ops, seed);
+    const int rc = mode == "perf" ? run_perf(cases, filter, seed, json_path) : run_tests(cases, filter, seed);
     CUDA_CHECK(cudaStreamDestroy(g_stream));
     return rc;
 }

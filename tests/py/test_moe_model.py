@@ -98,3 +98,15 @@ def test_per_layer_balance_loss_sees_what_the_pooled_loss_misses():
     logits = (noise + bias).requires_grad_(True)
     moe_model.per_layer_balance_loss((logits,), k).backward()
     assert (logits.grad[:, :4].sum() > 0) and (logits.grad[:, 4:].sum() < 0)
+
+
+def test_sequence_wise_balance_sees_windows_that_keep_to_few_experts():
+    n_exp, k, window = 8, 2, 50
+    g = torch.Generator().manual_seed(1)
+    bias = torch.tensor([4.0] * 4 + [0.0] * 4)
+    # window 0 prefers experts 0-3, window 1 experts 4-7: the batch is balanced, each window is not
+    logits = torch.cat([torch.randn(window, n_exp, generator=g) * 0.1 + bias,
+                        torch.randn(window, n_exp, generator=g) * 0.1 + bias.flip(0)])
+    batch = float(moe_model.per_layer_balance_loss((logits,), k))
+    windows = float(moe_model.per_layer_balance_loss((logits,), k, group_tokens=window))
+    assert batch == pytest.approx(k, rel=0.05) and windows > 1.8 * k

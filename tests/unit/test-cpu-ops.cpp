@@ -3,9 +3,12 @@
 // NaN before each run and every comparison fails on NaN.
 //
 // Thresholds (all derived from F32 rounding, stated per test):
-// - matmul: |y - ref| <= 2e-5 * sum_i |w_i x_i| against the weights as stored (F32 accumulation of up
-//   to 4096 products); against the original F32 weights before conversion the bound grows by the
-//   dtype's rounding: F16 1e-3, BF16 8e-3, Q8_0 1.6e-2 (half a quantization step per weight).
+// - matmul: |y - ref| <= 2e-5 * sum_i |w_i x_i| against the weights as stored and the activations as
+//   multiplied (F32 accumulation of up to 4096 products); for Q8_0 under ActivationQuant::INT8 (the
+//   default) those are x quantized to Q8_0 and back (tests/unit/test-quant.cpp covers the other
+//   quantized types). Against the original F32 weights and activations the bound grows by the dtype's
+//   rounding: F16 1e-3, BF16 8e-3, Q8_0 1.6e-2 (half a quantization step per weight), plus 1e-2 for
+//   quantized activations.
 // - rms_norm, softmax, swiglu: relative 1e-5 per element.
 // - rope: |err| <= 5e-7 * (1 + theta) * |pair| (the angle is an F32 product pos * inv_freq, as in HF).
 // - attention: |err| <= 2e-5 * sum_j p_j |v_j| per output element.
@@ -134,14 +137,41 @@ void reference_matmul(const std::vector<T> &w, int64_t n_in, int64_t n_out, cons
         }
 }
 
+/// The activations a product with weights of `type` multiplies now: x, or (ActivationQuant::INT8,
+/// quantized weights) each token's x quantized to vec_dot_type(type) and back.
+std::vector<float> multiplied(DType type, const std::vector<float> &x, int64_t n_in) {
+    if (!quantizes_activations(type)) return x;
+    const DType a = vec_dot_type(type);
+    std::vector<uint8_t> q(dtype_row_bytes(a, n_in));
+    std::vector<float> out(x.size());
+    for (size_t t = 0; t < x.size() / size_t(n_in); ++t) {
+        quantize_activations(a, x.data() + t * size_t(n_in), q.data(), n_in);
+        dequantize_row(a, q.data(), out.data() + t * size_t(n_in), n_in);
+    }
+    return out;
+}
+
 double quantization_tolerance(DType t) {
+    const double act = quantizes_activations(t) ? 1e-2 : 0.0;
     switch (t) {
     case DType::F32: return 2e-5;
     case DType::F16: return 1e-3;
     case DType::BF16: return 8e-3;
-    case DType::Q8_0: return 1.6e-2;
+    case DType::Q8_0: return 1.6e-2 + act;
+    default: break;
     }
     return 0.0;
+}
+
+/// Runs body under each activation mode, then restores the default.
+template <class F>
+void for_each_activation_mode(F body) {
+    for (ActivationQuant a : {ActivationQuant::INT8, ActivationQuant::NONE}) {
+        SCOPED_TRACE(a == ActivationQuant::INT8 ? "int8 activations" : "f32 activations");
+        set_activation_quant(a);
+        body();
+    }
+    set_activation_quant(ActivationQuant::INT8);
 }
 
 constexpr double kMatmulTol = 2e-5;
@@ -190,14 +220,17 @@ TEST(CpuOps, MatmulMatchesReference) {
                     SCOPED_TRACE(std::string(dtype_name(type)) + " n_in " + std::to_string(n_in) + " n_out " +
                                  std::to_string(n_out) + " n_tok " + std::to_string(n_tok));
                     const std::vector<float> x = random_floats(size_t(n_tok * n_in), rng);
-                    std::vector<double> ref, scale, ref_orig, scale_orig;
-                    reference_matmul(w.stored, n_in, n_out, x, n_tok, ref, scale);
+                    std::vector<double> ref_orig, scale_orig;
                     reference_matmul(w.original, n_in, n_out, x, n_tok, ref_orig, scale_orig);
-                    for_each_config([&] {
-                        std::vector<float> y(size_t(n_tok * n_out), kNaN);
-                        matmul(type, w.bytes.data(), n_in, n_out, x.data(), n_tok, y.data());
-                        EXPECT_TRUE(all_close(y, ref, scale, kMatmulTol));
-                        EXPECT_TRUE(all_close(y, ref_orig, scale_orig, quantization_tolerance(type)));
+                    for_each_activation_mode([&] {
+                        std::vector<double> ref, scale;
+                        reference_matmul(w.stored, n_in, n_out, multiplied(type, x, n_in), n_tok, ref, scale);
+                        for_each_config([&] {
+                            std::vector<float> y(size_t(n_tok * n_out), kNaN);
+                            matmul(type, w.bytes.data(), n_in, n_out, x.data(), n_tok, y.data());
+                            EXPECT_TRUE(all_close(y, ref, scale, kMatmulTol));
+                            EXPECT_TRUE(all_close(y, ref_orig, scale_orig, quantization_tolerance(type)));
+                        });
                     });
                 }
             }
@@ -216,7 +249,7 @@ TEST(CpuOps, MatmulTensorViewUsesMatrixM) {
     view.data = w.bytes.data();
     const std::vector<float> x = random_floats(size_t(n_in), rng);
     std::vector<double> ref, scale;
-    reference_matmul(w.stored, n_in, n_out * n_mat, x, 1, ref, scale);
+    reference_matmul(w.stored, n_in, n_out * n_mat, multiplied(DType::Q8_0, x, n_in), 1, ref, scale);
     std::vector<float> y(size_t(n_out), kNaN);
     matmul(view, x.data(), 1, y.data(), 2);
     EXPECT_TRUE(all_close(y, std::vector<double>(ref.begin() + 2 * n_out, ref.end()),
@@ -231,7 +264,7 @@ TEST(CpuOps, MatmulSingleTokenMatchesRowOfBatch) {
         const Weights w = make_weights(type, n_in, n_out, rng);
         const std::vector<float> x = random_floats(size_t(n_tok * n_in), rng);
         std::vector<double> ref, scale;
-        reference_matmul(w.stored, n_in, n_out, x, n_tok, ref, scale);
+        reference_matmul(w.stored, n_in, n_out, multiplied(type, x, n_in), n_tok, ref, scale);
         for_each_config([&] {
             std::vector<float> batch(size_t(n_tok * n_out), kNaN), single(size_t(n_tok * n_out), kNaN);
             matmul(type, w.bytes.data(), n_in, n_out, x.data(), n_tok, batch.data());
@@ -253,7 +286,7 @@ TEST(CpuOps, MatmulInsideParallelRegion) {
         const Weights w = make_weights(type, n_in, n_out, rng);
         const std::vector<float> x = random_floats(size_t(n_tok * n_in), rng);
         std::vector<double> ref, scale;
-        reference_matmul(w.stored, n_in, n_out, x, n_tok, ref, scale);
+        reference_matmul(w.stored, n_in, n_out, multiplied(type, x, n_in), n_tok, ref, scale);
         set_threads(2);
         std::vector<float> outside(size_t(n_tok * n_out), kNaN), inside(size_t(n_tok * n_out), kNaN);
         for (int64_t t = 0; t < n_tok; ++t)
@@ -285,7 +318,8 @@ TEST(CpuOps, MatmulBatchMatchesReference) {
             xs.push_back(random_floats(size_t(nt * n_in), rng));
             refs.emplace_back();
             scales.emplace_back();
-            reference_matmul(ws.back().stored, n_in, n_out, xs.back(), nt, refs.back(), scales.back());
+            reference_matmul(ws.back().stored, n_in, n_out, multiplied(type, xs.back(), n_in), nt, refs.back(),
+                             scales.back());
         }
         for (GemmBackend backend : {GemmBackend::OWN, GemmBackend::OPENBLAS}) {
             SCOPED_TRACE(backend == GemmBackend::OWN ? "own gemm" : "openblas");

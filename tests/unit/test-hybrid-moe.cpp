@@ -2,6 +2,7 @@
 // the whole offload path (expert store, hot-expert table, copy engine, loader, decisions, prefetch, combine)
 // with "GPU" experts computed on the host from the bytes that reached their slots. Offloading must not
 // change the numbers: the logits equal the plain CPU executor's bit for bit, whatever the budget.
+#include "../common/tiny-model.h"
 #include "arch/arch.h"
 #include "core/error.h"
 #include "offload/copy-engine.h"
@@ -15,6 +16,8 @@
 #include "runtime/hybrid-moe.h"
 
 #include <gtest/gtest.h>
+
+#include <unistd.h>
 
 #include <cstring>
 #include <filesystem>
@@ -49,6 +52,7 @@ class FakeMoeDevice final : public MoeDevice {
     }
     Stream compute_stream() override { return compute_; }
     void launch_gpu(const MoeStep &s) override {
+        if (log) log->push_back("launch " + std::to_string(s.wave));
         const ExpertLayout &layout = store_.layout(s.layer);
         slot_copies_.resize(size_t(s.n_gpu));
         for (int32_t i = s.wave_begin; i < s.wave_end; ++i) {
@@ -73,6 +77,7 @@ class FakeMoeDevice final : public MoeDevice {
     }
     float *cpu_out() override { return cpu_out_.data(); }
     void combine(const MoeStep &s) override {
+        if (log) log->push_back("combine");
         ASSERT_EQ(s.k_comb, s.k);
         for (int64_t t = 0; t < s.n_tok; ++t) {
             float *o = out_ + t * n_embd_;
@@ -88,6 +93,7 @@ class FakeMoeDevice final : public MoeDevice {
     }
     int launches() const { return launches_; }
     int most_waves() const { return waves_; }  // most launches of one layer
+    std::vector<std::string> *log = nullptr;    // device calls, when a test records them
 
   private:
     FakeBackend &backend_;
@@ -117,12 +123,14 @@ class HybridExecutor final : public ExpertExecutor {
 
 struct Options {
     int32_t slots_per_layer = 0;  // 0: every expert fits
-    int32_t cpu_threshold = 0;
+    int32_t cpu_threshold = 0;  // -1: the cost-model scheduler
     int32_t prefetch_window = 0;
     bool threaded = false;
     bool allow_pin = true;
     EvictionPolicyKind policy = EvictionPolicyKind::LRU;
     int32_t stream_min_batch = 32;  // never reached by kBatch unless lowered
+    const CostProfile *profile = nullptr;  // null: the H200 reference
+    bool balance = true;
 };
 
 // Everything the offloaded run needs, in construction order.
@@ -151,11 +159,14 @@ struct Rig {
         }
         device = std::make_unique<FakeMoeDevice>(backend, store, model, max_tokens);
         HybridMoeConfig hc;
-        hc.rule.cpu_threshold = o.cpu_threshold;
-        hc.rule.stream_min_batch = o.stream_min_batch;
-        hc.prefetch_window = o.prefetch_window;
-        moe = std::make_unique<HybridMoe>(model, store, plan, cache.get(), loader.get(), predictor.get(), *device,
-                                          &backend, hc, max_tokens, /*shared_on_device=*/false);
+        hc.planner.cpu_threshold = o.cpu_threshold;
+        hc.planner.stream_min_batch = o.stream_min_batch;
+        hc.planner.prefetch_window = o.prefetch_window;
+        hc.planner.balance = o.balance;
+        const ExpertShape shape = ExpertShape::of(store.layout(0));
+        const CostModel cost(o.profile ? *o.profile : CostProfile::h200_reference(), shape, 1, ec.chunk_bytes);
+        moe = std::make_unique<HybridMoe>(model, store, plan, cache.get(), loader.get(), engine.get(), predictor.get(),
+                                          *device, &backend, cost, hc, max_tokens, /*shared_on_device=*/false);
         executor = std::make_unique<HybridExecutor>(*moe, *device);
     }
     ~Rig() {
@@ -222,8 +233,11 @@ TEST_P(HybridModels, OffloadedLogitsEqualTheCpuExecutorAtEveryBudget) {
     const auto model = Model::load(model_path(GetParam(), "tiny-f32.gguf").string());
     const std::vector<float> ref = run_tokens(*model, nullptr, 6);
     const int32_t k = int32_t(model->hp().n_expert_used);
+    // cpu_threshold >= 0: the threshold rule; -1: the cost-model scheduler (split FETCH waves, planned prefetches).
     for (const Options &o : {Options{}, Options{k, 0, 0}, Options{k, 2, 0}, Options{k + 1, 0, 2},
-                             Options{k, 0, 3, true}, Options{k + 2, 1, 1, true, false, EvictionPolicyKind::ARC}}) {
+                             Options{k, 0, 3, true}, Options{k + 2, 1, 1, true, false, EvictionPolicyKind::ARC},
+                             Options{k, -1, 0}, Options{k + 1, -1, 2, true}, Options{0, -1, 1, true},
+                             Options{k + 2, -1, 3, true, false, EvictionPolicyKind::ARC}}) {
         SCOPED_TRACE(testing::Message() << "slots/layer " << o.slots_per_layer << ", cpu_threshold "
                                         << o.cpu_threshold << ", window " << o.prefetch_window << ", threaded "
                                         << o.threaded << ", pinned " << o.allow_pin);
@@ -243,6 +257,134 @@ TEST(HybridMoe, Q8ExpertsThroughSlotsEqualTheCpuExecutor) {
     expect_bitwise_equal(run_tokens(*model, rig.executor.get(), 4), run_tokens(*model, nullptr, 4));
 }
 
+TEST(HybridMoe, MixedTypeExpertsThroughSlotsOfEachLayersSizeEqualTheCpuExecutor) {
+    // Layer 0's experts are Q4_K / Q5_K / Q6_K, layer 1's IQ4_XS / Q4_K / Q4_K: two expert sizes, so the
+    // slots of the two layers differ in size; the quantized bytes travel as stored.
+    const std::string path =
+        (fs::temp_directory_path() / ("prescope-hybrid-mixed-" + std::to_string(getpid()) + ".gguf")).string();
+    test::write_tiny_model(path, test::mixed_type_spec(false));
+    const auto model = Model::load(path);
+    const int32_t k = int32_t(model->hp().n_expert_used);
+    for (const Options &o : {Options{k, 0, 0}, Options{k, 1, 1, true}}) {
+        Rig rig(*model, o, kBatch);
+        EXPECT_EQ(rig.store.layout(0).bytes, 256u * (144 + 176 + 210));
+        EXPECT_EQ(rig.store.layout(1).bytes, 256u * (136 + 144 + 144));
+        EXPECT_EQ(rig.cache->slot_bytes(0), rig.store.layout(0).bytes);
+        EXPECT_EQ(rig.cache->slot_bytes(1), rig.store.layout(1).bytes);
+        EXPECT_NE(rig.store.describe().find("(q4_K/q5_K/q6_K) in 1 layers"), std::string::npos) << rig.store.describe();
+        expect_bitwise_equal(run_tokens(*model, rig.executor.get(), 4), run_tokens(*model, nullptr, 4));
+        EXPECT_GT(rig.engine->stats().bytes_done, 0u);
+    }
+    std::filesystem::remove(path);
+}
+
+TEST(HybridMoe, CostSchedulerSplitsAndStreamsAndStillEqualsTheCpuExecutor) {
+    // A profile where a fetch and a CPU expert cost the same (100 us): two missed experts of a decode token go
+    // one to each side (split), and prefill batches stream through few slots.
+    CostProfile p = CostProfile::h200_reference();
+    p.h2d_request_us = 100;
+    p.cpu_expert_us = 100;
+    p.cpu_layer_us = 0;
+    p.gpu_wave_us = 1;
+    for (const std::string arch : {"mixtral", "qwen3moe"}) {
+        SCOPED_TRACE(arch);
+        const auto model = Model::load(model_path(arch, "tiny-q8_0.gguf").string());
+        Options o;
+        o.slots_per_layer = int32_t(model->hp().n_expert_used);
+        o.cpu_threshold = -1;
+        o.prefetch_window = 2;
+        o.threaded = true;
+        o.stream_min_batch = 3;
+        o.profile = &p;
+        o.balance = false;
+        Rig rig(*model, o, kBatch);
+        expect_bitwise_equal(run_tokens(*model, rig.executor.get(), 6), run_tokens(*model, nullptr, 6));
+        const LayerStats t = rig.cache->total_stats();
+        EXPECT_GT(t.split_steps, 0u);
+        EXPECT_GT(t.streamed, 0u);
+        EXPECT_GT(t.cpu_runs, 0u);
+        EXPECT_EQ(t.steps, uint64_t(model->hp().n_layer) * (3 + 6));  // batches of 5, 5, 1, then 6 decode steps
+    }
+}
+
+namespace {
+
+// The steps and device calls of one run_layer, in order.
+std::vector<std::string> steps_of(Rig &rig, int32_t layer, const Routing &r, int n_embd) {
+    std::vector<std::string> log;
+    rig.moe->on_step = [&](int32_t, LayerStep s) { log.push_back(layer_step_name(s)); };
+    rig.device->log = &log;
+    std::vector<float> h(size_t(r.n_tok * n_embd), 0.25f), out(h.size());
+    rig.device->set_io(h.data(), out.data());
+    rig.moe->run_layer(layer, h.data(), r, {});
+    rig.device->log = nullptr;
+    rig.moe->on_step = nullptr;
+    return log;
+}
+
+Routing routing_of(std::vector<std::vector<int32_t>> tokens) {
+    Routing r;
+    r.n_tok = int64_t(tokens.size());
+    r.k = int64_t(tokens[0].size());
+    for (const auto &t : tokens) {
+        for (int32_t id : t) {
+            r.ids.push_back(id);
+            r.weights.push_back(1.0f / float(r.k));
+        }
+    }
+    return r;
+}
+
+} // namespace
+
+TEST(HybridMoe, TheLayerStepsComeInTheOneOrderWithTheDeviceCallsWhereTheyBelong) {
+    const auto model = Model::load(model_path("mixtral", "tiny-f32.gguf").string());  // 8 experts, top-2
+    CostProfile p = CostProfile::h200_reference();
+    p.h2d_request_us = 100;
+    p.cpu_expert_us = 100;
+    p.cpu_layer_us = 0;
+    p.gpu_wave_us = 1;
+    Options o;
+    o.slots_per_layer = 2;
+    o.cpu_threshold = -1;
+    o.prefetch_window = 1;
+    o.stream_min_batch = 3;
+    o.profile = &p;
+    o.balance = false;
+    Rig rig(*model, o, kBatch);
+    const int n_embd = int(model->hp().n_embd);
+    using V = std::vector<std::string>;
+    // Decode, both experts missing: predictor first, one expert to the CPU while the other's copy travels.
+    EXPECT_EQ(steps_of(rig, 1, routing_of({{3, 5}}), n_embd),
+              (V{"predict-first", "plan", "slots-and-copies", "launch-wave0", "launch 0", "prefetch", "cpu-experts",
+                 "launch-fetch-wave", "launch 1", "combine", "combine", "measure"}));
+    const LayerDecision &d = rig.moe->last_plan().decision;
+    EXPECT_EQ(d.n_fetch, 1);
+    EXPECT_EQ(d.n_cpu, 1);
+    // The fetched one again, now resident, with a new miss: the hit waits in wave 0, the miss is decided.
+    const int32_t resident = d.experts[0].action == ExpertAction::FETCH ? d.experts[0].expert : d.experts[1].expert;
+    const V hit_and_miss = steps_of(rig, 1, routing_of({{resident, 7}}), n_embd);
+    EXPECT_EQ(hit_and_miss[0], "predict-first");
+    EXPECT_EQ(hit_and_miss[3], "wait-wave0");
+    // With the CPU ten times dearer the GPU takes everything. Everything resident: the predictor runs after the
+    // launch, off the GPU's path, and the slots are released after it.
+    CostProfile dear = p;
+    dear.cpu_expert_us = 1000;
+    o.profile = &dear;
+    Rig rig2(*model, o, kBatch);
+    steps_of(rig2, 0, routing_of({{0, 1}}), n_embd);
+    EXPECT_EQ(rig2.moe->last_plan().decision.n_fetch, 2);
+    EXPECT_EQ(steps_of(rig2, 0, routing_of({{0, 1}}), n_embd),
+              (V{"plan", "slots-and-copies", "wait-wave0", "launch-wave0", "launch 0", "predict-after-launch",
+                 "release-wave0", "prefetch", "combine", "combine", "measure"}));
+    // A prefill batch of 4 tokens over 6 experts and 2 slots: wave 0, then two streamed waves.
+    EXPECT_EQ(steps_of(rig2, 1, routing_of({{0, 1}, {2, 3}, {4, 5}, {0, 2}}), n_embd),
+              (V{"predict-first", "plan", "slots-and-copies", "wait-wave0", "launch-wave0", "launch 0",
+                 "release-wave0", "queue-stream-wave", "prefetch", "stream-waves", "launch 1", "launch 2", "combine",
+                 "combine", "measure"}));
+    EXPECT_EQ(rig2.moe->last_plan().decision.n_stream, 4);
+}
+
 TEST(HybridMoe, ExpertsStreamedInWavesThroughFewSlotsEqualTheCpuExecutor) {
     // Batches of 2+ tokens stream what does not fit: top-k slots per layer give several waves per layer.
     int most_waves = 0;
@@ -259,10 +401,10 @@ TEST(HybridMoe, ExpertsStreamedInWavesThroughFewSlotsEqualTheCpuExecutor) {
             o.stream_min_batch = 2;
             Rig rig(*model, o, kBatch);
             expect_bitwise_equal(run_tokens(*model, rig.executor.get(), 4), run_tokens(*model, nullptr, 4));
-            EXPECT_GT(rig.moe->stats().streamed, 0u);
+            EXPECT_GT(rig.cache->total_stats().streamed, 0u);
             EXPECT_GE(rig.device->most_waves(), 2);
             most_waves = std::max(most_waves, rig.device->most_waves());
-            EXPECT_LE(rig.moe->stats().streamed, rig.cache->total_stats().demand_misses);  // never resident
+            EXPECT_LE(rig.cache->total_stats().streamed, rig.cache->total_stats().demand_misses);  // never resident
         }
     }
     EXPECT_GE(most_waves, 3);  // streamed waves reuse the slots of the streamed wave before
@@ -283,7 +425,7 @@ TEST(HybridMoe, EveryRoutedExpertIsCountedOnceAsHitMissOrCpu) {
         const int32_t t = int32_t(i * 13 + 2);
         ctx.eval({&t, 1});
     }
-    const CacheLayerStats s = rig.cache->total_stats();
+    const LayerStats s = rig.cache->total_stats();
     EXPECT_EQ(s.accesses(), unique);
     EXPECT_GT(s.cpu_runs, 0u);       // prefill batches route more experts than a layer's slots hold
     EXPECT_GT(s.demand_misses, 0u);  // the cold cache
@@ -324,8 +466,8 @@ TEST(HybridMoe, StepPairsCoverEveryTokenSlotOnceGpuPairsFirst) {
         }
     }
     for (int c : seen) EXPECT_EQ(c, 1);
-    EXPECT_EQ(rig.moe->last_decision().n_fetch, 1);
-    EXPECT_EQ(rig.moe->last_decision().n_cpu, s.n_cpu);
+    EXPECT_EQ(rig.moe->last_plan().decision.n_fetch, 1);
+    EXPECT_EQ(rig.moe->last_plan().decision.n_cpu, s.n_cpu);
 }
 
 TEST(ExpertStore, CanonicalBytesAreTheFileExpertsBackToBack) {

@@ -3,6 +3,7 @@
 #include "core/error.h"
 #include "offload/byte-size.h"
 #include "offload/expert-cache.h"
+#include "offload/fake-backend.h"
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -65,7 +66,7 @@ TEST(ExpertCache, CapacityEqualToExpertCountEvictsNothing) {
             seen.insert({layer, a});
             seen.insert({layer, b});
         }
-        CacheLayerStats s = cache.total_stats();
+        LayerStats s = cache.total_stats();
         EXPECT_EQ(s.evictions, 0u) << eviction_policy_name(policy);
         EXPECT_EQ(s.demand_misses, seen.size()) << eviction_policy_name(policy);
     }
@@ -187,6 +188,39 @@ TEST(ExpertCache, SlotIsTheLargestExpertRoundedToTheAlignment) {
     EXPECT_EQ(cache.expert_bytes(1, 1), 257u);
 }
 
+TEST(ExpertCache, EachLayerBuysSlotsOfItsOwnSize) {
+    // A mixed-type file: layer 1's experts are larger (a Q6_K down projection next to Q4_K ones).
+    ExpertCacheConfig c = config(3, 8, 2, 0);
+    c.expert_bytes.clear();
+    for (uint64_t b : {1000u, 1700u, 1000u}) c.expert_bytes.insert(c.expert_bytes.end(), 8, b);
+    EXPECT_EQ(ExpertCache::layer_slot_bytes_for(c), (std::vector<uint64_t>{1024, 1792, 1024}));
+    EXPECT_EQ(ExpertCache::slot_bytes_for(c), 1792u);
+    EXPECT_EQ(ExpertCache::min_budget_bytes(c), 2u * (1024 + 1792 + 1024));
+    // 3 slots in every layer (3 x 3840) plus 2000 left: one more slot for layer 0 (1024), not for layer 1.
+    c.budget_bytes = 3 * 3840 + 2000;
+    FakeBackend backend;
+    ExpertCache cache(c, &backend);
+    EXPECT_EQ(cache.layer_slots(0), 4);
+    EXPECT_EQ(cache.layer_slots(1), 3);
+    EXPECT_EQ(cache.layer_slots(2), 3);
+    EXPECT_EQ(cache.slot_bytes(1), 1792u);
+    EXPECT_EQ(cache.pool_bytes(), 4u * 1024 + 3 * 1792 + 3 * 1024);
+    EXPECT_EQ(ExpertCache::pool_bytes_for(c), cache.pool_bytes());
+    // Slots of a layer are its own size apart and never overlap another's bytes.
+    std::vector<std::pair<uintptr_t, uintptr_t>> ranges;
+    for (int32_t s = 0; s < cache.n_slots(); ++s) {
+        const auto begin = reinterpret_cast<uintptr_t>(cache.slot_data(s));
+        ranges.emplace_back(begin, begin + cache.slot_bytes(cache.slot_layer(s)));
+    }
+    std::sort(ranges.begin(), ranges.end());
+    for (size_t i = 1; i < ranges.size(); ++i) EXPECT_LE(ranges[i - 1].second, ranges[i].first);
+    EXPECT_EQ(ranges.back().second - ranges.front().first, cache.pool_bytes());
+    // The minimum names the per-layer sizes.
+    c.budget_bytes = ExpertCache::min_budget_bytes(c) - 1;
+    const std::string msg = error_of([&] { ExpertCache too_small(c); });
+    EXPECT_NE(msg.find("slots of 1.00 KiB to 1.75 KiB"), std::string::npos) << msg;
+}
+
 TEST(ExpertCache, LayersAreSeparateEvictionGroups) {
     ExpertCache cache(config(2, 8, 1, 2));
     step(cache, 0, {0});
@@ -251,7 +285,7 @@ TEST(ExpertCache, CountersAddUp) {
             cache.begin_prefetch_round();
             cache.prefetch(int32_t(rng() % 3), int32_t(rng() % 16));
         }
-        CacheLayerStats s = cache.total_stats();
+        LayerStats s = cache.total_stats();
         const char *name = eviction_policy_name(policy);
         EXPECT_EQ(s.accesses(), routed) << name;
         EXPECT_EQ(s.bytes_loaded, (s.demand_misses + s.prefetch_loads) * kExpertBytes) << name;
@@ -262,7 +296,7 @@ TEST(ExpertCache, CountersAddUp) {
             for (int32_t e = 0; e < 16; ++e) resident += cache.find(l, e) >= 0;
         }
         EXPECT_EQ(s.evictions, s.demand_misses + s.prefetch_loads - uint64_t(resident)) << name;
-        CacheLayerStats sum;
+        LayerStats sum;
         for (int32_t l = 0; l < 3; ++l) sum += cache.stats(l);
         EXPECT_EQ(sum.hits, s.hits);
     }

@@ -89,6 +89,46 @@ TEST(OffloadConfig, YamlFileThenFlagsOverride) {
     fs::remove(unknown);
 }
 
+TEST(OffloadConfig, SeedStyleSectionsAndKeysWithoutEffect) {
+    const fs::path p = write_file("prescope-offload-nested.yaml",
+                                  "optimization: {prefetch_window: 3, cpu_threshold: 16, gpu_cache: 12GB}\npredictor: none\n");
+    OffloadConfig c;
+    c.load_yaml(p.string());
+    EXPECT_EQ(c.prefetch_window, 3);
+    EXPECT_EQ(c.cpu_threshold, 16);
+    EXPECT_EQ(c.gpu_cache_bytes, 12000000000u);
+    EXPECT_EQ(c.predictor, "none");
+    // prefetch_window does nothing without a predictor; cpu_threshold does (the threshold rule).
+    const auto w = c.no_effect_warnings();
+    ASSERT_EQ(w.size(), 1u);
+    EXPECT_NE(w[0].find("(optimization): prefetch_window has no effect: predictor is none"), std::string::npos) << w[0];
+    // Without a GPU every offload key is without effect, the routing trace is not.
+    OffloadConfig cpu;
+    cpu.set("cpu_threshold", "4", "--cpu-threshold");
+    cpu.set("routing_trace", "x.pstrace", "--routing-trace");
+    const auto wc = cpu.no_effect_warnings();
+    ASSERT_EQ(wc.size(), 1u);
+    EXPECT_NE(wc[0].find("--cpu-threshold: cpu_threshold has no effect: no GPU"), std::string::npos) << wc[0];
+    // cpu_threshold: auto = the cost-model scheduler; the cost keys are without effect under the threshold rule.
+    OffloadConfig g;
+    g.set("gpu_cache", "1GiB", "f");
+    g.set("cpu_threshold", "auto", "f");
+    EXPECT_EQ(g.cpu_threshold, -1);
+    EXPECT_TRUE(g.no_effect_warnings().empty());
+    g.set("load_balance", "off", "f");
+    g.set("cpu_threshold", "2", "f");
+    EXPECT_NE(g.no_effect("load_balance").find("threshold rule"), std::string::npos);
+    const fs::path deep = write_file("prescope-offload-deep.yaml", "optimization: {copy: {chunk: 1MiB}}\n");
+    EXPECT_NE(error_of([&] { OffloadConfig d; d.load_yaml(deep.string()); }).find("optimization.copy: expected a single value"),
+              std::string::npos);
+    const fs::path typo = write_file("prescope-offload-typo.yaml", "optimization: {prefetch_windw: 3}\n");
+    EXPECT_NE(error_of([&] { OffloadConfig d; d.load_yaml(typo.string()); }).find("unknown key 'prefetch_windw'"),
+              std::string::npos);
+    EXPECT_NE(error_of([&] { OffloadConfig d; d.set("numa", "everywhere", "--numa"); }).find("distribute"),
+              std::string::npos);
+    for (const fs::path &f : {p, deep, typo}) fs::remove(f);
+}
+
 TEST(RoutingReplay, LayersRunTheTracesExpertsInTokenOrderAndWrap) {
     const auto model = tiny("mixtral");
     const HParams &hp = model->hp();

@@ -163,7 +163,7 @@ TEST(ExpertLoader, DecodeLoopAlwaysHandsComputeTheRightBytes) {
                 reads.clear();
             }
         }
-        CacheLayerStats s = rig.cache->total_stats();
+        LayerStats s = rig.cache->total_stats();
         EXPECT_EQ(s.accesses(), uint64_t(steps * L * K));
         EXPECT_GT(s.prefetch_hits, 0u);
         rig.engine->drain();

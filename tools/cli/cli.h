@@ -38,5 +38,8 @@ void register_tokenize(CLI::App &app);
 void register_trace(CLI::App &app);
 void register_train_predictor(CLI::App &app);
 void register_eval_predictor(CLI::App &app);
+void register_calibrate(CLI::App &app);
+void register_simulate(CLI::App &app);
+void register_schedule_check(CLI::App &app);
 
 } // namespace prescope::cli

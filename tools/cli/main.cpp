@@ -1,5 +1,5 @@
 // prescope: command line entry point. Subcommands: generate, perplexity, inspect, bench, trace,
-// train-predictor, eval-predictor; --version.
+// train-predictor, eval-predictor, calibrate, simulate, schedule-check; --version.
 // Bad input ends with one "error: ..." line on stderr and exit code 1.
 #include "cli.h"
 
@@ -57,6 +57,9 @@ int main(int argc, char **argv) {
     prescope::cli::register_trace(app);
     prescope::cli::register_train_predictor(app);
     prescope::cli::register_eval_predictor(app);
+    prescope::cli::register_calibrate(app);
+    prescope::cli::register_simulate(app);
+    prescope::cli::register_schedule_check(app);
     // CLI11 would answer "A subcommand is required" to `prescope foo`: name the word instead.
     if (argc > 1 && argv[1][0] != '-') {
         std::string names;

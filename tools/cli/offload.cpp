@@ -22,7 +22,8 @@ constexpr std::array kFlags = {
              "GPU memory for expert slots, e.g. 12GiB, 512MiB (0: every expert on the CPU); runs on the GPU"},
     FlagSpec{"--cache-policy", "cache_policy", "hot-expert table eviction: lru, lfu or arc"},
     FlagSpec{"--cpu-threshold", "cpu_threshold",
-             "a missed expert runs on the CPU when fewer tokens chose it (0: always fetch)"},
+             "manual override of the cost-model scheduler: a missed expert runs on the CPU when fewer tokens chose "
+             "it (0: always fetch; auto: the scheduler)"},
     FlagSpec{"--stream-min-batch", "stream_min_batch",
              "batches of at least this many tokens stream the experts that find no free slot through the slots "
              "in waves, instead of running them on the CPU (0: never)"},
@@ -36,6 +37,13 @@ constexpr std::array kFlags = {
     FlagSpec{"--copy-chunk", "copy_chunk", "copy engine chunk size"},
     FlagSpec{"--copy-depth", "copy_queue_depth", "copy engine chunks in flight"},
     FlagSpec{"--copy-bandwidth-cap", "copy_bandwidth_cap", "copy engine bandwidth cap per second, e.g. 20GB (0: none)"},
+    FlagSpec{"--cost-profile", "cost_profile", "cost profile JSON written by `prescope calibrate`"},
+    FlagSpec{"--load-balance", "load_balance", "correct the cost model online from measured times: on or off"},
+    FlagSpec{"--prefetch-in-flight", "prefetch_in_flight", "prefetch requests outstanding at most"},
+    FlagSpec{"--numa", "numa",
+             "expert store and CPU expert threads: gpu (the GPU's node), distribute, isolate or numactl (as llama.cpp)"},
+    FlagSpec{"--dump-layer-states", "dump_layer_states",
+             "write every layer's scheduler state to FILE (JSON lines, for prescope schedule-check)"},
 };
 
 } // namespace
@@ -59,16 +67,13 @@ void add_offload_flags(CLI::App &cmd, OffloadArgs &args) {
 OffloadConfig resolve_offload(const OffloadArgs &args) {
     OffloadConfig c;
     if (!args.config_file.empty()) c.load_yaml(args.config_file);
-    std::string unused;  // flags only the GPU runtime reads
     for (size_t i = 0; i < args.given.size(); ++i) {
         const auto &[key, opt] = args.given[i];
         if (opt->count() == 0) continue;
         c.set(key, args.values[i], opt->get_name());
-        if (key != "gpu_cache" && key != "routing_trace") unused += (unused.empty() ? "" : ", ") + opt->get_name();
     }
-    if (!c.gpu && !unused.empty()) {
-        spdlog::warn("{}: no effect without --gpu-expert-budget (the CPU engine runs every expert itself)", unused);
-    }
+    // A key set in the file or on the command line that this run ignores says so (the last setting wins).
+    for (const std::string &w : c.no_effect_warnings()) spdlog::warn("{}", w);
     return c;
 }
 

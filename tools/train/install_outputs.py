@@ -1,4 +1,4 @@
-# Reassembles what scripts/device/train_models.sh returned (results.tar.part-NN + summary.json), checks every
+# Reassembles what scripts/device/train_models.sh (or train_balanced.sh) returned (results.tar.part-NN + summary.json), checks every
 # checksum recorded on the device, and unpacks the files into the repository (models/demo, traces, docs/data).
 """Install the device job's outputs.
 
@@ -26,6 +26,8 @@ def main():
     ap.add_argument("folder")
     ap.add_argument("--repo", default=str(Path(__file__).resolve().parents[2]))
     ap.add_argument("--dry-run", action="store_true")
+    ap.add_argument("--summary-as", default="docs/data/device-run-summary.json",
+                    help="where summary.json goes in the repository ('' to skip)")
     args = ap.parse_args()
     src, repo = Path(args.folder), Path(args.repo)
     summary = json.loads((src / "summary.json").read_text())
@@ -57,9 +59,9 @@ def main():
             if not args.dry_run:
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 dest.write_bytes(data)
-    if not args.dry_run:
-        shutil.copy(src / "summary.json", repo / "docs/data/device-run-summary.json")
-        print(f"wrote {repo / 'docs/data/device-run-summary.json'}")
+    if not args.dry_run and args.summary_as:
+        shutil.copy(src / "summary.json", repo / args.summary_as)
+        print(f"wrote {repo / args.summary_as}")
     if pkg.get("left_out_for_size"):
         print(f"note: left out on the device for size: {pkg['left_out_for_size']}")
     if summary.get("errors"):

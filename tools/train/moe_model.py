@@ -29,9 +29,9 @@ MODEL_SPECS = {
     # and Mixtral-8x7B's (32 x 8, top-2; llama architecture with experts, GQA, no QK-norm), wider than the first topo.
     "topo-b": dict(hidden_size=128, num_hidden_layers=48, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                    num_experts=128, num_experts_per_tok=8, moe_intermediate_size=32),
-    "topo-mixtral": dict(arch="mixtral", hidden_size=256, num_hidden_layers=32, num_attention_heads=8,
-                         num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
-                         moe_intermediate_size=512),
+    "topo-mixtral": dict(arch="mixtral", hidden_size=128, num_hidden_layers=32, num_attention_heads=4,
+                         num_key_value_heads=1, head_dim=32, num_experts=8, num_experts_per_tok=2,
+                         moe_intermediate_size=448),
     # --smoke shapes: same code paths, Q8_0-compatible row lengths (multiples of 32).
     "demo-smoke": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                        head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32),
@@ -130,22 +130,27 @@ def n_experts_of(config):
     return getattr(config, "num_experts", None) or config.num_local_experts
 
 
-def per_layer_balance_loss(router_logits, top_k):
+def per_layer_balance_loss(router_logits, top_k, group_tokens=None):
     """Load-balancing loss computed per layer and averaged over layers (Switch Transformer, Fedus et al. 2021,
     eqs. 4-6, at each layer as Mixtral/Switch apply it): E * sum_e f_e P_e, f_e = top-k assignments to expert e per
     token, P_e = mean router probability of e; k at perfect balance, the scale of transformers' loss.
 
-    router_logits: tuple of [tokens, E] per layer. transformers' load_balancing_loss_func sums f and P over all layers
-    before the product, so it balances only the layer average: each layer may stay skewed as long as the skews of the
-    layers cancel (the cause of the first topo's skew, decision 0090)."""
+    router_logits: tuple of [tokens, E] per layer. With group_tokens, f and P are taken over each run of that many
+    consecutive tokens (one training window) and the losses averaged: DeepSeek-V3's sequence-wise balance loss
+    (arXiv 2412.19437, eqs. 17-20), which penalises a window that keeps to a few experts even when the batch is
+    balanced. transformers' load_balancing_loss_func sums f and P over all layers before the product, so it balances
+    only the layer average: each layer may stay skewed as long as the skews of the layers cancel (the cause of the
+    first topo's skew, decision 0090)."""
     losses = []
     for g in router_logits:
         p = torch.softmax(g.float(), dim=-1)
         n_tok, n_exp = p.shape
-        idx = torch.topk(p, top_k, dim=-1).indices.reshape(-1)
-        f = torch.zeros(n_exp, dtype=torch.float32, device=p.device).scatter_add_(
-            0, idx, torch.ones_like(idx, dtype=torch.float32)) / n_tok
-        losses.append(n_exp * torch.sum(f * p.mean(dim=0)))
+        groups = n_tok // group_tokens if group_tokens else 1
+        p = p.reshape(groups, -1, n_exp)                                  # [groups, tokens per group, E]
+        idx = torch.topk(p, top_k, dim=-1).indices.reshape(groups, -1)
+        f = torch.zeros(groups, n_exp, dtype=torch.float32, device=p.device).scatter_add_(
+            1, idx, torch.ones_like(idx, dtype=torch.float32)) / p.shape[1]
+        losses.append(n_exp * torch.sum(f * p.mean(dim=1), dim=1).mean())
     return torch.stack(losses).mean()
 
 

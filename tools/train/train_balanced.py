@@ -6,13 +6,18 @@
           test-split routing, its validation perplexity and its recipe to a JSON list: how recipes are compared.
   full    the device job: trains topo-b (Qwen3-30B-A3B's 48 x 128 top-8 topology) and topo-mixtral (Mixtral-8x7B's
           32 x 8 top-2) with the recipe of docs/decisions/0090-balanced-routing.md, writes traces (test split, real
-          prompts, and real prompts continued by the model itself), router weights and a router-input sidecar per
-          model, and packs them for the return (at most 8 files under --out).
+          prompts, and real prompts continued by the model itself) and router weights, packs them for the return
+          (at most 8 files under --out), and keeps each model and its test-split sequences in --keep.
+  sidecar the router-input sidecar of a kept model's test-split trace, from sequence --first-seq on, as much as one
+          return holds (a 20k-token sidecar of topo-b is about 100 MB: several calls on the warm machine).
+  merge-sidecars  here, afterwards: joins the returned parts into NAME-test.hidden.zst.
 
 Usage:
   python3 tools/train/train_balanced.py probe --spec topo-b --layers 8 --hidden 64 --balance per-layer --aux 0.01 \\
       --steps 300 --json docs/data/balance-probe.json
   python3 tools/train/train_balanced.py full --out $OUT --budget-s 540          (device; --smoke: tiny CPU dry run)
+  python3 tools/train/train_balanced.py sidecar --model topo-b --first-seq 0 --out $OUT          (device, warm)
+  python3 tools/train/train_balanced.py merge-sidecars traces/topo-b-test.pstrace PART... --out traces/topo-b-test.hidden.zst
 
 Both read the corpus and prompts from .carry/ (python3 tools/data/prepare_carry.py) and the 8192-token tokenizer in
 tools/data/tokenizer/. Every number written says which command produced it.
@@ -39,24 +44,23 @@ import routing_stats as rs  # noqa: E402
 import train_models as tm  # noqa: E402
 
 MiB = 1 << 20
-# The device job's plan per model: training run, trace token budgets by source, decoded continuations of real
-# prompts (count x new tokens), and the sidecar's token target. The budget split gives each model its share of the
+# The device job's plan per model: training run, trace token budgets by source, and decoded continuations of real
+# prompts (count x new tokens). The budget split gives each model its share of the
 # wall clock after the shared set-up.
 FULL = {
     "topo-b": dict(run=dict(spec="topo-b", steps=3000, batch=64, seq=512, lr=2e-3, warmup=100, aux=0.01,
                             balance="per-layer", seed=4321, eval_windows=512),
                    share=0.55, traces={"test-split": 32768, "sharegpt": 6144, "mt-bench": 2048, "vicuna-bench": 2048,
                                        "gsm8k": 4096, "humaneval": 4096},
-                   decode=(64, 128), hidden_tokens=20480),
+                   decode=(64, 64)),
     "topo-mixtral": dict(run=dict(spec="topo-mixtral", steps=3000, batch=64, seq=512, lr=2e-3, warmup=100,
                                   aux=0.01, balance="per-layer", seed=8765, eval_windows=512),
                          share=0.45, traces={"test-split": 32768, "sharegpt": 6144, "mt-bench": 2048,
                                              "vicuna-bench": 2048, "gsm8k": 4096, "humaneval": 4096},
-                         decode=(64, 128), hidden_tokens=20480),
+                         decode=(64, 64)),
 }
-SMOKE = {"topo-b": dict(spec="topo-smoke", steps=30, batch=4, seq=64, traces=512, decode=(4, 16), hidden=256),
-         "topo-mixtral": dict(spec="mixtral-smoke", steps=30, batch=4, seq=64, traces=512, decode=(4, 16),
-                              hidden=256)}
+SMOKE = {"topo-b": dict(spec="topo-smoke", steps=30, batch=4, seq=64, traces=512, decode=(4, 16)),
+         "topo-mixtral": dict(spec="mixtral-smoke", steps=30, batch=4, seq=64, traces=512, decode=(4, 16))}
 TRACE_MAX_LEN = 512
 ZSTD_LEVEL = 19
 
@@ -122,7 +126,8 @@ def probe(args):
     if args.expert_ffn:
         overrides["moe_intermediate_size"] = args.expert_ffn
     run = dict(spec=args.spec, steps=args.steps, batch=args.batch, seq=args.seq, lr=args.lr, warmup=args.warmup,
-               aux=args.aux, balance=args.balance, seed=args.seed, eval_windows=args.eval_windows, overrides=overrides)
+               aux=args.aux, balance=args.balance, seq_aux=args.seq_aux, seed=args.seed,
+               eval_windows=args.eval_windows, overrides=overrides)
     val_windows = tm.eval_windows(data["validation"], args.seq, args.eval_windows)
     deadline = time.time() + args.max_train_s
     model, rec = tm.train_model(run, data["train"], val_windows, tok.get_vocab_size(), eos_id, device, deadline,
@@ -132,12 +137,13 @@ def probe(args):
     realism = rs.realism_stats(ids, bounds_of(seqs), moe_model.n_experts_of(model.config))
     row = {"command": "python3 tools/train/train_balanced.py " + " ".join(sys.argv[2:]),
            "spec": args.spec, "overrides": overrides, "balance": args.balance, "aux": args.aux,
+           "seq_aux": args.seq_aux,
            "steps_done": rec["steps_done"], "tokens_seen": rec["tokens_seen"], "train_seconds": rec["train_seconds"],
            "params": rec["params"], "device": device.type, "validation": rec["validation"],
            "final_train_ce": rec["loss_curve"][-1]["ce"] if rec["loss_curve"] else None,
            "final_aux": rec["loss_curve"][-1]["aux"] if rec["loss_curve"] else None,
            "routed_tokens": int(len(ids)), "realism": realism}
-    log(f"probe {args.spec} {overrides} {args.balance} aux {args.aux}: ppl {rec['validation']['ppl']:.1f} "
+    log(f"probe {args.spec} {overrides} {args.balance} aux {args.aux} seq-aux {args.seq_aux}: ppl {rec['validation']['ppl']:.1f} "
         f"(unigram {rec['validation']['unigram_ppl']:.0f}); medians "
         + ", ".join(f"{k} {v:.3f}" for k, v in realism["median"].items()))
     if args.json:
@@ -154,8 +160,9 @@ def probe(args):
 @torch.no_grad()
 def decode_continuations(model, tok, prompts, n_prompts, n_new, device, pad_id, seed):
     """The first n_prompts real prompts (at most 256 tokens each), each continued by n_new tokens that the model
-    samples itself (temperature 0.8, top-p 0.95, seeded; batched with left padding). Returns select_sequences-style
-    dicts with "n_prompt" set."""
+    samples itself (temperature 0.8, top-p 0.95, seeded; batched with left padding; bf16 on CUDA, where the grouped
+    expert products need it: the trace re-routes the whole sequence in fp32 afterwards). Returns
+    select_sequences-style dicts with "n_prompt" set."""
     model.eval()
     chosen = []
     for p in prompts:
@@ -166,17 +173,18 @@ def decode_continuations(model, tok, prompts, n_prompts, n_new, device, pad_id, 
             break
     torch.manual_seed(seed)
     out = []
-    for i in range(0, len(chosen), 32):
-        batch = chosen[i:i + 32]
+    for i in range(0, len(chosen), 64):
+        batch = chosen[i:i + 64]
         width = max(len(c["tokens"]) for c in batch)
         x = torch.full((len(batch), width), pad_id, dtype=torch.long)
         mask = torch.zeros((len(batch), width), dtype=torch.long)
         for r, c in enumerate(batch):
             x[r, width - len(c["tokens"]):] = torch.tensor(c["tokens"])
             mask[r, width - len(c["tokens"]):] = 1
-        y = model.generate(input_ids=x.to(device), attention_mask=mask.to(device), max_new_tokens=n_new,
-                           min_new_tokens=n_new, do_sample=True, temperature=0.8, top_p=0.95, pad_token_id=pad_id,
-                           output_router_logits=False)
+        with tm.autocast_for(device):
+            y = model.generate(input_ids=x.to(device), attention_mask=mask.to(device), max_new_tokens=n_new,
+                               min_new_tokens=n_new, do_sample=True, temperature=0.8, top_p=0.95,
+                               pad_token_id=pad_id, output_router_logits=False)
         for r, c in enumerate(batch):
             gen = y[r, width:].tolist()
             out.append({**c, "tokens": c["tokens"] + gen, "n_prompt": len(c["tokens"])})
@@ -185,19 +193,18 @@ def decode_continuations(model, tok, prompts, n_prompts, n_new, device, pad_id, 
 
 def write_traces(model, name, tok, cands, prompts, plan, device, outdir, pad_id, created_by):
     """NAME-test.pstrace (test split), NAME-prompts.pstrace (real prompts, and the same prompts continued by the model
-    itself); returns (info per file, test-split seqs, ids) for the realism statistics."""
+    itself); returns (info per file, test-split seqs) (the realism statistics are computed from the files
+    afterwards, off the device: python3 tools/data/routing_stats.py)."""
     budget = plan["traces"]
     seqs = rc.select_sequences(tok, cands, budget, TRACE_MAX_LEN)
     groups = {"test": [s for s in seqs if s["source"] == "test-split"],
               "prompts": [s for s in seqs if s["source"] != "test-split"]}
     n_prompts, n_new = plan["decode"]
     groups["prompts"] += decode_continuations(model, tok, prompts, n_prompts, n_new, device, pad_id, 99)
-    info, test_ids = {}, None
+    info = {}
     threads = min(16, os.cpu_count() or 1)
     for group, gseqs in groups.items():
         ids, w, _ = rc.route_sequences(model, [s["tokens"] for s in gseqs], pad_id, device)
-        if group == "test":
-            test_ids = ids
         path = Path(outdir) / f"{name}-{group}.pstrace"
         nbytes = rc.write_trace_file(path, model, name, gseqs, ids, w, created_by, ZSTD_LEVEL, threads)
         t = pstrace.read_trace(path)
@@ -205,16 +212,88 @@ def write_traces(model, name, tok, cands, prompts, plan, device, outdir, pad_id,
                            "decoded_tokens": int(sum(len(s["tokens"]) - s.get("n_prompt", len(s["tokens"]))
                                                      for s in gseqs))}
         log(f"{path.name}: {len(t.token_ids)} tokens, {nbytes / MiB:.2f} MiB")
-    return info, groups["test"], test_ids
+    return info, groups["test"]
 
 
-def write_sidecar(model, name, tok, cands, n_tokens, device, outdir, pad_id, budget_bytes):
-    """NAME-test.hidden.zst: router inputs of the leading test-split sequences, as many as fit budget_bytes (at most
-    n_tokens tokens)."""
-    seqs, _, _, inputs = held_out_routing(model, tok, cands, {"test-split": n_tokens}, device, pad_id,
-                                          keep_inputs=True)
-    return tm.write_hidden_within(Path(outdir) / f"{name}-test.pstrace", seqs, inputs, budget_bytes, 6,
-                                  min(16, os.cpu_count() or 1))
+def keep_model(model, keep, test_seqs):
+    """Saves the trained model (HF safetensors, fp32) and the token ids of its test-split trace sequences in `keep`,
+    for the sidecar calls that follow on the same machine."""
+    if keep.exists():
+        shutil.rmtree(keep)
+    model.save_pretrained(keep, safe_serialization=True)
+    (keep / "test-seqs.json").write_text(json.dumps([{"name": s["name"], "tokens": s["tokens"]} for s in test_seqs]))
+    return {"dir": str(keep), "sequences": len(test_seqs)}
+
+
+def sidecar(args):
+    """Writes NAME-test.hidden.part-S.zst (S = --first-seq): router inputs of test-split sequences S, S+1, ... of the
+    kept model's trace, as many whole sequences as fit --budget-bytes compressed (at most --max-tokens tokens),
+    packed for the return; prints the next sequence to start from."""
+    from transformers import AutoModelForCausalLM
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    moe_model.register_experts_impl()
+    keep = Path(args.keep) / args.model
+    model = AutoModelForCausalLM.from_pretrained(keep, dtype=torch.float32).to(device).eval()
+    model.set_experts_implementation(moe_model.EXPERTS_IMPL)
+    seqs = json.loads((keep / "test-seqs.json").read_text())
+    per_tok = model.config.num_hidden_layers * (4 + model.config.hidden_size)
+    # int8 router inputs compress to about 0.85-0.9 of their size: route a little more than the budget can hold
+    n_want = min(args.max_tokens, int(args.budget_bytes / per_tok / 0.8))
+    chosen, n = [], 0
+    for i in range(args.first_seq, len(seqs)):
+        if n >= n_want:
+            break
+        chosen.append(i)
+        n += len(seqs[i]["tokens"])
+    if not chosen:
+        raise SystemExit(f"sidecar: no test-split sequences from {args.first_seq} on ({len(seqs)} in all)")
+    _, _, inputs = rc.route_sequences(model, [seqs[i]["tokens"] for i in chosen], model.config.eos_token_id, device,
+                                      keep_inputs_for=range(len(chosen)))
+    stage = Path(args.work) / "sidecar"
+    if stage.exists():
+        shutil.rmtree(stage)
+    stage.mkdir(parents=True)
+    path = stage / f"{args.model}-test.hidden.part-{args.first_seq:04d}.zst"
+    threads = min(16, os.cpu_count() or 1)
+    while True:
+        ranges = [[s, 0, len(seqs[s]["tokens"])] for s in chosen]
+        nbytes = pstrace.write_hidden(path, trace_name=f"{args.model}-test.pstrace", token_ranges=ranges,
+                                      hidden=np.concatenate([inputs[j] for j in range(len(chosen))]), level=6,
+                                      threads=threads)
+        if nbytes <= args.budget_bytes or len(chosen) == 1:
+            break
+        chosen = chosen[:max(1, int(len(chosen) * 0.9))]
+    summary = {"command": "python3 tools/train/train_balanced.py " + " ".join(sys.argv[1:]), "model": args.model,
+               "first_seq": args.first_seq, "next_seq": chosen[-1] + 1, "sequences": len(seqs),
+               "tokens": int(sum(len(seqs[s]["tokens"]) for s in chosen)), "bytes": nbytes}
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    tm.pack_outputs(stage, Path(args.out), [(f"traces/{path.name}", path)], summary)
+    (Path(args.out) / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    log(f"{path.name}: sequences {args.first_seq}..{chosen[-1]} of {len(seqs)}, {summary['tokens']} tokens, "
+        f"{nbytes / MiB:.1f} MiB; next --first-seq {chosen[-1] + 1}")
+    return 0
+
+
+def merge_sidecars(args):
+    """Joins sidecar parts of one trace (each a valid sidecar of some of its sequences) into one file, in sequence
+    order, checking each part against the trace."""
+    trace = pstrace.read_trace(args.trace)
+    parts = [pstrace.read_hidden(p, trace=trace) for p in args.parts]
+    parts.sort(key=lambda h: h.header["token_ranges"][0][0])
+    seen = set()
+    for h in parts:
+        for r in h.header["token_ranges"]:
+            if r[0] in seen:
+                raise SystemExit(f"merge-sidecars: sequence {r[0]} is in more than one part")
+            seen.add(r[0])
+    ranges = [r for h in parts for r in h.header["token_ranges"]]
+    nbytes = pstrace.write_hidden(args.out, trace_name=Path(args.trace).name, token_ranges=ranges,
+                                  scale=np.concatenate([h.scale for h in parts]),
+                                  q=np.concatenate([h.q for h in parts]), level=19, threads=os.cpu_count() or 1)
+    h = pstrace.read_hidden(args.out, trace=trace)
+    print(f"{args.out}: {h.header['n_tokens']} tokens of {len(ranges)} sequences from {len(parts)} parts, "
+          f"{nbytes / MiB:.1f} MiB")
+    return 0
 
 
 def full(args):
@@ -247,11 +326,11 @@ def full(args):
             plan = dict(plan, run=dict(plan["run"], spec=sm["spec"], steps=sm["steps"], batch=sm["batch"],
                                        seq=sm["seq"], eval_windows=8),
                         traces={"test-split": sm["traces"], "sharegpt": sm["traces"] // 4},
-                        decode=sm["decode"], hidden_tokens=sm["hidden"])
+                        decode=sm["decode"])
         left = t0 + args.budget_s - time.time()
         deadline = time.time() + left * plan["share"] / sum(p["share"] for n, p in FULL.items()
                                                              if n not in summary.get("done", []))
-        deadline -= 0 if args.smoke else 100  # traces, sidecar and packing after training
+        deadline -= 0 if args.smoke else 75  # routers, traces, decoding and keeping the model after training
         val_windows = tm.eval_windows(data["validation"], plan["run"]["seq"], plan["run"]["eval_windows"])
         res = ph.run(f"train_{name}", tm.train_model, plan["run"], data["train"], val_windows, tok.get_vocab_size(),
                      eos_id, device, deadline, moe_model.EXPERTS_IMPL, unigram_lp)
@@ -270,22 +349,13 @@ def full(args):
             items.append((f"traces/{name}-routers.safetensors", stage / "traces" / f"{name}-routers.safetensors"))
         tr = ph.run(f"traces_{name}", write_traces, model, name, tok, cands, prompts, plan, device, stage / "traces",
                     eos_id, created)
+        test_seqs = []
         if tr:
-            info, test_seqs, test_ids = tr
-            summary[name] = {"traces": info, "validation": rec["validation"],
-                             "realism_test_split": rs.realism_stats(test_ids, bounds_of(test_seqs),
-                                                                    moe_model.n_experts_of(model.config))["median"]}
+            info, test_seqs = tr
+            summary[name] = {"traces": info, "validation": rec["validation"]}
             items += [(f"traces/{n}", stage / "traces" / n) for n in info]
-        # The sidecar gets what the return limit leaves after everything else (the other model's files included).
-        used = sum(Path(f).stat().st_size for _, f in items)
-        reserve = 0 if name == list(FULL)[-1] else 14 * MiB
-        budget = min(args.hidden_max_bytes, tm.RETURN_LIMIT_BYTES - used - reserve - 2 * MiB)
-        if budget > 256 * 1024:
-            h = ph.run(f"hidden_{name}", write_sidecar, model, name, tok, cands, plan["hidden_tokens"], device,
-                       stage / "traces", eos_id, budget)
-            if h:
-                summary[name]["hidden"] = h
-                items += [(f"traces/{n}", stage / "traces" / n) for n in h]
+        keep = Path(args.keep) / name
+        ph.run(f"keep_{name}", keep_model, model, keep, test_seqs if tr else [])
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -305,6 +375,7 @@ def main():
     p.add_argument("--expert-ffn", type=int, help="override the expert FFN width")
     p.add_argument("--balance", default="per-layer", choices=["per-layer", "hf"])
     p.add_argument("--aux", type=float, default=0.01, help="load-balancing loss coefficient")
+    p.add_argument("--seq-aux", type=float, default=0.0, help="sequence-wise balance loss coefficient (per window)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=256)
@@ -323,14 +394,26 @@ def main():
     f.add_argument("--out", required=True)
     f.add_argument("--budget-s", type=float, default=540.0)
     f.add_argument("--smoke", action="store_true", help="tiny shapes and steps on the CPU (dry run)")
-    f.add_argument("--hidden-max-bytes", type=int, default=30 * MiB)
     f.add_argument("--carry", default=str(REPO / ".carry"))
     f.add_argument("--work", default="/tmp/prescope-balanced")
+    f.add_argument("--keep", default=str(REPO / "build-train"), help="where the trained models stay for sidecar")
+    c = sub.add_parser("sidecar", help="a router-input sidecar part of a kept model (module docstring)")
+    c.add_argument("--model", required=True, choices=sorted(FULL))
+    c.add_argument("--first-seq", type=int, default=0)
+    c.add_argument("--budget-bytes", type=int, default=58 * MiB)
+    c.add_argument("--max-tokens", type=int, default=20480)
+    c.add_argument("--out", required=True)
+    c.add_argument("--keep", default=str(REPO / "build-train"))
+    c.add_argument("--work", default="/tmp/prescope-balanced")
+    m = sub.add_parser("merge-sidecars", help="join sidecar parts (module docstring)")
+    m.add_argument("trace")
+    m.add_argument("parts", nargs="+")
+    m.add_argument("--out", required=True)
     args = ap.parse_args()
     if args.cmd == "probe":
         probe(args)
         return 0
-    return full(args)
+    return {"full": full, "sidecar": sidecar, "merge-sidecars": merge_sidecars}[args.cmd](args)
 
 
 if __name__ == "__main__":

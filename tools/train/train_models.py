@@ -197,17 +197,21 @@ def evaluate(model, windows, device, batch, unigram_lp=None, fp32=True):
     return out
 
 
-def train_step(model, opt, x, vocab, aux_coef, device, balance="hf"):
+def train_step(model, opt, x, vocab, aux_coef, device, balance="hf", seq_aux_coef=0.0):
     """One optimiser step on token windows x [B, T+1]; returns (loss, ce, aux, grad_norm) as device tensors.
-    balance: "hf" (transformers' load-balancing loss, layers pooled) or "per-layer" (moe_model.per_layer_balance_loss)."""
+    balance: "hf" (transformers' load-balancing loss, layers pooled) or "per-layer" (moe_model.per_layer_balance_loss
+    over the batch); seq_aux_coef > 0 adds the same loss taken per window (sequence-wise balance)."""
     with autocast_for(device):
         out = model(input_ids=x[:, :-1], use_cache=False, output_router_logits=True)
     ce = F.cross_entropy(out.logits.float().reshape(-1, vocab), x[:, 1:].reshape(-1))
+    k = model.config.num_experts_per_tok
     if balance == "per-layer":
-        aux = moe_model.per_layer_balance_loss(out.router_logits, model.config.num_experts_per_tok)
+        aux = moe_model.per_layer_balance_loss(out.router_logits, k)
     else:
         aux = out.aux_loss.float() if out.aux_loss is not None else torch.zeros((), device=device)
     loss = ce + aux_coef * aux
+    if seq_aux_coef > 0:
+        loss = loss + seq_aux_coef * moe_model.per_layer_balance_loss(out.router_logits, k, x.shape[1] - 1)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -219,7 +223,7 @@ def train_model(run, train_tokens, val_windows, vocab, eos_id, device, deadline,
     """Trains one model; returns (model, record) with the loss curve, step counts and timing."""
     model = moe_model.build_model(run["spec"], vocab, eos_id, run["aux"], device, run["seed"], experts_impl,
                                   run.get("overrides"))
-    balance = run.get("balance", "hf")
+    balance, seq_aux = run.get("balance", "hf"), run.get("seq_aux", 0.0)
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
@@ -233,7 +237,7 @@ def train_model(run, train_tokens, val_windows, vocab, eos_id, device, deadline,
     curve, val_curve = [], []
     rec = {"spec": run["spec"], "config": json.loads(model.config.to_json_string()), "params": n_params,
            "planned_steps": planned, "batch": batch, "seq": seq, "lr": run["lr"], "warmup": run["warmup"],
-           "router_aux_loss_coef": run["aux"], "balance": balance, "seed": run["seed"],
+           "router_aux_loss_coef": run["aux"], "balance": balance, "seq_aux_coef": seq_aux, "seed": run["seed"],
            "experts_implementation": experts_impl,
            "optimizer": "AdamW(0.9, 0.95), wd 0.1 on matrices, clip 1.0, warm-up then cosine to 10%"}
     calib = (10, 30) if planned >= 200 else (2, 4)
@@ -255,7 +259,7 @@ def train_model(run, train_tokens, val_windows, vocab, eos_id, device, deadline,
         x = torch.from_numpy(np.stack([train_tokens[s:s + seq + 1] for s in starts]).astype(np.int64))
         x = x.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else x
         try:
-            loss, ce, aux, gnorm = train_step(model, opt, x, vocab, run["aux"], device, balance)
+            loss, ce, aux, gnorm = train_step(model, opt, x, vocab, run["aux"], device, balance, seq_aux)
         except RuntimeError as e:
             # The grouped kernel passed its self-test; should the full model still trip it, the looped path
             # (same arithmetic) takes over rather than losing the run. Only the first step may do this.
@@ -265,7 +269,7 @@ def train_model(run, train_tokens, val_windows, vocab, eos_id, device, deadline,
             rec["grouped_path_failed"] = f"{type(e).__name__}: {e}"
             moe_model.set_grouped_enabled(False)
             opt.zero_grad(set_to_none=True)
-            loss, ce, aux, gnorm = train_step(model, opt, x, vocab, run["aux"], device, balance)
+            loss, ce, aux, gnorm = train_step(model, opt, x, vocab, run["aux"], device, balance, seq_aux)
         step += 1
         if step == calib[0]:
             if device.type == "cuda":

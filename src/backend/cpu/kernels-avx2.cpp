@@ -1,5 +1,6 @@
-// AVX2 + FMA + F16C inner loops (Haswell and later). Compiled for that target whatever the build's
-// -march; ops.cpp only calls kernels_avx2() on a CPU that reports these features.
+// AVX2 + FMA + F16C inner loops (Haswell and later), with vec-dot-x86.h's integer dot products. Compiled
+// for that target whatever the build's -march; ops.cpp only calls kernels_avx2() on a CPU that reports
+// these features.
 #include "backend/cpu/kernels.h"
 #include "core/dtype.h"
 
@@ -19,7 +20,21 @@
 
 namespace {
 
+/// vec-dot-x86.h's byte products without VNNI: vpmaddubsw pairs, then vpmaddwd by 1.
+struct IntAvx2 {
+    static __m256i dot_u8s8(__m256i u, __m256i s) {
+        return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+    }
+};
+
+} // namespace
+
+#include "backend/cpu/vec-dot-x86.h"
+
+namespace {
+
 struct VecAvx2 {
+    using Quant = X86Quant<IntAvx2>;
     using V = __m256;
     static constexpr int N = 8;
     static constexpr int max_tokens = 4;  // 4 accumulators + weights + x in 16 ymm registers

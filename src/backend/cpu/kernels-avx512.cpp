@@ -1,5 +1,6 @@
-// AVX-512F inner loops (Skylake-SP and later: 16 F32 lanes, 32 vector registers). Compiled for that
-// target whatever the build's -march; ops.cpp only calls kernels_avx512() on a CPU that reports it.
+// AVX-512 inner loops (F, BW, VL, VNNI: Cascade Lake / Ice Lake and later; 16 F32 lanes, 32 vector
+// registers), with vec-dot-x86.h's integer dot products on vpdpbusd. Compiled for that target whatever
+// the build's -march; ops.cpp only calls kernels_avx512() on a CPU that reports these features.
 #include "backend/cpu/kernels.h"
 #include "core/dtype.h"
 
@@ -16,15 +17,27 @@
 #include <utility>
 
 #if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx512f,avx2,fma,f16c"))), apply_to = function)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"))), apply_to = function)
 #else
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx2,fma,f16c")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")
 #endif
 
 namespace {
 
+/// vec-dot-x86.h's byte products with AVX-512 VNNI (256-bit form): one vpdpbusd.
+struct IntVnni {
+    static __m256i dot_u8s8(__m256i u, __m256i s) { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s); }
+};
+
+} // namespace
+
+#include "backend/cpu/vec-dot-x86.h"
+
+namespace {
+
 struct VecAvx512 {
+    using Quant = X86Quant<IntVnni>;
     using V = __m512;
     static constexpr int N = 16;
     static constexpr int max_tokens = 8;  // 8 accumulators + weights + x in 32 zmm registers

@@ -7,7 +7,8 @@
 // q8_scales (the F16 scales of consecutive Q8_0 blocks as F32); transpose8 (an 8 x 8 tile);
 // max_tokens (tokens computed together per weight row by the GEMV); gemm_vecs (vectors of N tokens
 // per GEMM register block), gemm_rows[v - 1] (weight rows of a block of v vectors) and gemm_row_pad
-// (a multiple of every gemm_rows), all bounded by the register file.
+// (a multiple of every gemm_rows), all bounded by the register file; Quant, the integer dot products of
+// the quantized weight types and the activation quantizers (vec-dot-scalar.h, vec-dot-x86.h).
 #pragma once
 
 #include "backend/cpu/kernels.h"
@@ -17,6 +18,7 @@
 #include <array>
 #include <cstring>
 #include <utility>
+#include <vector>
 
 namespace {
 
@@ -182,6 +184,46 @@ void gemv(const uint8_t *w, size_t w_stride, int64_t n_rows, int64_t n, const fl
     }
 }
 
+using QDotFn = void (*)(int64_t, const void *, const void *const *, float *);
+
+template <class S, DType D, int... Ts>
+constexpr std::array<QDotFn, sizeof...(Ts)> qdot_table(std::integer_sequence<int, Ts...>) {
+    return {&S::Quant::template dot<D, Ts + 1>...};
+}
+
+/// KernelTable::QGemvFn for quantized dtype D: rows outer, tokens inner in groups of up to
+/// S::Quant::kMaxTokens that share each block's unpacking (a row is read from memory once, from L1 after).
+template <class S, DType D>
+void qgemv(const uint8_t *w, size_t w_stride, int64_t n_rows, int64_t n, const uint8_t *xq, size_t xq_stride,
+           int64_t n_tok, float *y, int64_t ldy) {
+    constexpr int TM = S::Quant::kMaxTokens;
+    static constexpr auto dots = qdot_table<S, D>(std::make_integer_sequence<int, TM>());
+    const void *a[TM];
+    float out[TM];
+    for (int64_t r = 0; r < n_rows; ++r) {
+        const uint8_t *wr = w + size_t(r) * w_stride;
+        for (int64_t t0 = 0; t0 < n_tok; t0 += TM) {
+            const int64_t nt = std::min<int64_t>(TM, n_tok - t0);
+            for (int64_t t = 0; t < nt; ++t) a[t] = xq + size_t(t0 + t) * xq_stride;
+            dots[nt - 1](n, wr, a, out);
+            for (int64_t t = 0; t < nt; ++t) y[(t0 + t) * ldy + r] = out[t];
+        }
+    }
+}
+
+/// KernelTable::GemvFn for quantized dtypes other than Q8_0 (F32 activations): each row dequantized
+/// into an L1 buffer, then the F32 GEMV on it.
+template <class S, DType D>
+void gemv_dequant(const uint8_t *w, size_t w_stride, int64_t n_rows, int64_t n, const float *x, int64_t ldx,
+                  int64_t n_tok, float *y, int64_t ldy) {
+    thread_local std::vector<float> row;
+    row.resize(size_t(n));
+    for (int64_t r = 0; r < n_rows; ++r) {
+        S::Quant::template dequant_row<D>(w + size_t(r) * w_stride, row.data(), n);
+        gemv<S, DType::F32>(reinterpret_cast<const uint8_t *>(row.data()), 0, 1, n, x, ldx, n_tok, y + r, ldy);
+    }
+}
+
 /// KernelTable::ConvertFn for dtype D.
 template <class S, DType D>
 void convert(const uint8_t *w, size_t w_stride, int64_t n_rows, int64_t n, float *dst) {
@@ -189,7 +231,9 @@ void convert(const uint8_t *w, size_t w_stride, int64_t n_rows, int64_t n, float
     for (int64_t r = 0; r < n_rows; ++r) {
         const uint8_t *src = w + size_t(r) * w_stride;
         float *d = dst + r * n;
-        if constexpr (D == DType::Q8_0) {
+        if constexpr (D != DType::F32 && D != DType::F16 && D != DType::BF16 && D != DType::Q8_0) {
+            S::Quant::template dequant_row<D>(src, d, n);
+        } else if constexpr (D == DType::Q8_0) {
             const auto *blk = reinterpret_cast<const BlockQ8_0 *>(src);
             for (int64_t b = 0; b < n / QK8_0; ++b) {
                 const typename S::V scale = S::set1(S::f16(blk[b].d));
@@ -312,17 +356,37 @@ void gemm(const float *w, int64_t n_rows, int64_t n, const float *xt, int64_t n_
     }
 }
 
+/// Fills the per-dtype slots of k for weight dtype D.
+template <class S, DType D>
+void set_dtype_kernels(prescope::cpu::KernelTable &k) {
+    const int i = prescope::cpu::dtype_index(D);
+    k.convert[i] = &convert<S, D>;
+    if constexpr (D == DType::F32 || D == DType::F16 || D == DType::BF16) {
+        k.gemv[i] = &gemv<S, D>;
+    } else {
+        if constexpr (D == DType::Q8_0) {
+            k.gemv[i] = &gemv<S, D>;
+        } else {
+            k.gemv[i] = &gemv_dequant<S, D>;
+        }
+        k.qgemv[i] = &qgemv<S, D>;
+    }
+}
+
+template <class S, DType... Ds>
+void set_all_dtype_kernels(prescope::cpu::KernelTable &k) {
+    (set_dtype_kernels<S, Ds>(k), ...);
+}
+
 template <class S>
 prescope::cpu::KernelTable make_kernel_table() {
     prescope::cpu::KernelTable k{};
-    k.gemv[0] = &gemv<S, DType::F32>;
-    k.gemv[1] = &gemv<S, DType::F16>;
-    k.gemv[2] = &gemv<S, DType::BF16>;
-    k.gemv[3] = &gemv<S, DType::Q8_0>;
-    k.convert[0] = &convert<S, DType::F32>;
-    k.convert[1] = &convert<S, DType::F16>;
-    k.convert[2] = &convert<S, DType::BF16>;
-    k.convert[3] = &convert<S, DType::Q8_0>;
+    set_all_dtype_kernels<S, DType::F32, DType::F16, DType::BF16, DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q5_0,
+                          DType::Q5_1, DType::Q2_K, DType::Q3_K, DType::Q4_K, DType::Q5_K, DType::Q6_K, DType::IQ4_NL,
+                          DType::IQ4_XS, DType::MXFP4>(k);
+    k.quantize[0] = &S::Quant::quantize_q8_0;
+    k.quantize[1] = &S::Quant::quantize_q8_1;
+    k.quantize[2] = &S::Quant::quantize_q8_K;
     k.weighted_row_sum = &weighted_row_sum<S>;
     k.gemm = &gemm<S>;
     k.gemm_row_pad = S::gemm_row_pad;

@@ -1,6 +1,8 @@
 // Portable inner loops for CPUs without AVX2 (and non-x86 builds): plain C++ over 8-float groups,
-// which the compiler vectorizes with the baseline instruction set.
+// which the compiler vectorizes with the baseline instruction set; integer dot products of the
+// quantized types as ggml's generic versions (vec-dot-scalar.h).
 #include "backend/cpu/kernels.h"
+#include "backend/cpu/vec-dot-scalar.h"
 #include "core/dtype.h"
 
 #include <algorithm>
@@ -11,6 +13,7 @@
 namespace {
 
 struct VecScalar {
+    using Quant = ScalarQuant;
     static constexpr int N = 8;
     static constexpr int max_tokens = 4;
     static constexpr int gemm_vecs = 2, gemm_row_pad = 4;

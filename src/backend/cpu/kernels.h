@@ -10,29 +10,57 @@
 
 namespace prescope::cpu {
 
-/// Index of a weight dtype in KernelTable's per-dtype arrays.
+/// Index of a weight dtype in KernelTable's per-dtype arrays; -1 for the activation-only Q8_1 / Q8_K.
 inline int dtype_index(DType t) {
     switch (t) {
     case DType::F32: return 0;
     case DType::F16: return 1;
     case DType::BF16: return 2;
     case DType::Q8_0: return 3;
+    case DType::Q4_0: return 4;
+    case DType::Q4_1: return 5;
+    case DType::Q5_0: return 6;
+    case DType::Q5_1: return 7;
+    case DType::Q2_K: return 8;
+    case DType::Q3_K: return 9;
+    case DType::Q4_K: return 10;
+    case DType::Q5_K: return 11;
+    case DType::Q6_K: return 12;
+    case DType::IQ4_NL: return 13;
+    case DType::IQ4_XS: return 14;
+    case DType::MXFP4: return 15;
+    case DType::Q8_1:
+    case DType::Q8_K: break;
     }
     return -1;
 }
-constexpr int kNumWeightTypes = 4;
+constexpr int kNumWeightTypes = 16;
+
+/// Index of an activation type (Q8_0, Q8_1, Q8_K) in KernelTable::quantize.
+inline int act_index(DType a) { return a == DType::Q8_0 ? 0 : a == DType::Q8_1 ? 1 : 2; }
 
 struct KernelTable {
     /// y[t * ldy + r] = dot(W row r, x + t * ldx) for r < n_rows, t < n_tok: F32 accumulation.
     /// W row r starts at w + r * w_stride bytes and holds n elements of the table slot's dtype
-    /// (Q8_0: n % 32 == 0). x: F32.
+    /// (n a multiple of its block size). x: F32 (quantized weights are dequantized, not the activations).
     using GemvFn = void (*)(const uint8_t *w, size_t w_stride, int64_t n_rows, int64_t n, const float *x,
                             int64_t ldx, int64_t n_tok, float *y, int64_t ldy);
-    /// dst[r * n + i] = W[r][i] as F32, for n_rows rows (stride w_stride bytes) of n elements.
+    /// The same product with the activations quantized: xq holds n_tok rows (stride xq_stride bytes) of
+    /// x quantized to vec_dot_type(dtype) (quantize[]); integer dot products per block, F32 across blocks
+    /// (ggml-cpu's ggml_vec_dot_<type>_<vec_dot_type>). Quantized dtypes only.
+    using QGemvFn = void (*)(const uint8_t *w, size_t w_stride, int64_t n_rows, int64_t n, const uint8_t *xq,
+                             size_t xq_stride, int64_t n_tok, float *y, int64_t ldy);
+    /// dst[r * n + i] = W[r][i] as F32, for n_rows rows (stride w_stride bytes) of n elements; bit for bit
+    /// dequantize_row (core/dtype.h).
     using ConvertFn = void (*)(const uint8_t *w, size_t w_stride, int64_t n_rows, int64_t n, float *dst);
+    /// n F32 values (a multiple of the block size) into activation blocks at dst, bit for bit as
+    /// core/dtype.h's quantize_row_q8_0 / _q8_1 / _q8_K.
+    using QuantizeFn = void (*)(const float *x, void *dst, int64_t n);
 
     GemvFn gemv[kNumWeightTypes];        // by dtype_index
+    QGemvFn qgemv[kNumWeightTypes];      // by dtype_index; nullptr for F32, F16, BF16
     ConvertFn convert[kNumWeightTypes];  // by dtype_index
+    QuantizeFn quantize[3];              // by act_index
     /// out[i] += sum_j p[j] * v[j * v_stride + i] for i < n, j < n_rows (attention's P.V); F32.
     void (*weighted_row_sum)(const float *p, const float *v, int64_t v_stride, int64_t n_rows, int64_t n,
                              float *out);

@@ -1,6 +1,9 @@
-// Weight x activation products: weights (F32, F16, BF16, Q8_0) read in place, activations F32.
-// Few tokens: SIMD GEMV (memory-bound decode). Many tokens: weight tiles converted to F32 in L2,
-// then a register-blocked GEMM on the transposed activations (or OpenBLAS sgemm). Decision 0011.
+// Weight x activation products: weights of any supported dtype read in place, activations F32 or (for
+// quantized weights, ActivationQuant::INT8) quantized to the weights' vec-dot type. Few tokens: SIMD
+// GEMV (memory-bound decode; integer dot products on quantized activations). Many tokens: weight tiles
+// converted to F32 in L2, then a register-blocked GEMM on the transposed activations (or OpenBLAS
+// sgemm), the activations quantized and dequantized again first so both paths compute the same
+// products. Decisions 0011, 0060, 0061.
 #include "backend/cpu/ops.h"
 
 #include "backend/cpu/kernels.h"
@@ -35,6 +38,13 @@ struct WorkItem {
 struct PackItem {
     int64_t job, k0, k1;  // rows [k0, k1) of jobs[job]'s transposed activations
 };
+
+struct QuantItem {
+    int64_t job, t0, t1;  // tokens [t0, t1) of jobs[job]'s activations
+};
+
+// Tokens quantized per task of the quantization step (GEMM jobs; GEMV jobs have fewer).
+constexpr int64_t kQuantTokens = 16;
 
 int64_t ceil_div(int64_t a, int64_t b) {
     return (a + b - 1) / b;
@@ -86,12 +96,18 @@ void set_gemm_backend(GemmBackend b) {
 }
 
 void matmul_batch(DType type, int64_t n_in, int64_t n_out, const MatmulJob *jobs, int64_t n_jobs) {
-    PRESCOPE_ASSERT(n_in > 0 && n_in % dtype_block_elems(type) == 0 && n_out >= 0);
+    const int ti = dtype_index(type);
+    PRESCOPE_ASSERT(ti >= 0 && n_in > 0 && n_in % dtype_block_elems(type) == 0 && n_out >= 0);
     const KernelTable &k = kernels();
     const size_t row_bytes = dtype_row_bytes(type, n_in);
     const int nth = threads_here();
     const int64_t min_gemm_tok = gemm_min_tokens();
     const bool own_gemm = gemm_backend() == GemmBackend::OWN;
+    // Quantized activations (decision 0060): GEMV jobs read them as blocks of the vec-dot type; GEMM jobs
+    // read them dequantized back to F32, so that every path multiplies the same values.
+    const bool qact = quantizes_activations(type);
+    const DType at = qact ? vec_dot_type(type) : DType::F32;
+    const size_t xq_row = qact ? dtype_row_bytes(at, n_in) : 0;
 
     // Share the rows out: GEMV jobs cost about their bytes, so about two slices per thread (dynamic
     // scheduling evens out the rest). GEMM jobs cost tokens x rows: one slice per thread for a single
@@ -109,17 +125,22 @@ void matmul_batch(DType type, int64_t n_in, int64_t n_out, const MatmulJob *jobs
     }
     const int64_t gemv_chunk = std::max(kMinRowsPerItem, ceil_div(gemv_rows, 2 * int64_t(nth)));
     const int64_t gemm_work_per_item = ceil_div(gemm_work, int64_t(nth) * (n_gemm_jobs > 1 ? 4 : 1));
-    // Work lists and the packed activations of GEMM jobs (KernelTable::pack) belong to the calling
-    // thread and keep their memory between calls (decode makes thousands of calls per token). The
-    // workers reach them through the plain pointers below, never by these thread_local names.
+    // Work lists, the quantized activations of GEMV jobs, the dequantized ones and the packed ones
+    // (KernelTable::pack) of GEMM jobs belong to the calling thread and keep their memory between calls
+    // (decode makes thousands of calls per token). The workers reach them through the plain pointers
+    // below, never by these thread_local names.
     thread_local std::vector<WorkItem> items;
     thread_local std::vector<PackItem> pack;
-    thread_local std::vector<int64_t> xt_offset;
-    thread_local std::vector<float> xt_buf;
+    thread_local std::vector<QuantItem> quant;
+    thread_local std::vector<int64_t> xt_offset, xa_offset;
+    thread_local std::vector<float> xt_buf, xf_buf;
+    thread_local std::vector<uint8_t> xq_buf;
     items.clear();
     pack.clear();
+    quant.clear();
     xt_offset.assign(size_t(n_jobs), 0);
-    size_t xt_size = 0;
+    xa_offset.assign(size_t(n_jobs), 0);  // bytes into xq_buf (GEMV) or floats into xf_buf (GEMM)
+    size_t xt_size = 0, xq_size = 0, xf_size = 0;
     for (int64_t j = 0; j < n_jobs; ++j) {
         const int64_t nt = jobs[j].n_tok;
         if (nt == 0) continue;
@@ -127,6 +148,17 @@ void matmul_batch(DType type, int64_t n_in, int64_t n_out, const MatmulJob *jobs
         const int64_t chunk = gemm ? round_up(std::max(kMinRowsPerItem, ceil_div(gemm_work_per_item, nt)), k.gemm_row_pad)
                                    : gemv_chunk;
         for (int64_t r0 = 0; r0 < n_out; r0 += chunk) items.push_back({j, r0, std::min(n_out, r0 + chunk)});
+        if (qact) {
+            // Consecutive jobs on the same activations (an expert's gate and up) quantize them once.
+            if (j > 0 && jobs[j - 1].x == jobs[j].x && jobs[j - 1].n_tok == nt) {
+                xa_offset[size_t(j)] = xa_offset[size_t(j - 1)];
+            } else {
+                size_t &size = gemm ? xf_size : xq_size;
+                xa_offset[size_t(j)] = int64_t(size);
+                size += gemm ? size_t(nt * n_in) : size_t(nt) * xq_row;
+                for (int64_t t0 = 0; t0 < nt; t0 += kQuantTokens) quant.push_back({j, t0, std::min(nt, t0 + kQuantTokens)});
+            }
+        }
         if (gemm && own_gemm) {
             xt_offset[size_t(j)] = int64_t(xt_size);
             xt_size += size_t(n_in * round_up(nt, k.gemm_tokens));
@@ -134,31 +166,57 @@ void matmul_batch(DType type, int64_t n_in, int64_t n_out, const MatmulJob *jobs
         }
     }
     if (xt_buf.size() < xt_size) xt_buf.resize(xt_size);
+    if (xq_buf.size() < xq_size) xq_buf.resize(xq_size);
+    if (xf_buf.size() < xf_size) xf_buf.resize(xf_size);
     float *const xt = xt_buf.data();
+    uint8_t *const xq = xq_buf.data();
+    float *const xf = xf_buf.data();
     const WorkItem *const item_list = items.data();
     const PackItem *const pack_list = pack.data();
+    const QuantItem *const quant_list = quant.data();
     const int64_t *const xt_offsets = xt_offset.data();
+    const int64_t *const xa_offsets = xa_offset.data();
+    // The F32 activations a GEMM job multiplies: its own, or their quantized-and-back copy.
+    const auto gemm_x = [&](int64_t j) { return qact ? xf + xa_offsets[j] : jobs[j].x; };
 
-    const auto n_items = int64_t(items.size()), n_pack = int64_t(pack.size());
+    const auto n_items = int64_t(items.size()), n_pack = int64_t(pack.size()), n_quant = int64_t(quant.size());
 #pragma omp parallel num_threads(nth) if (nth > 1 && n_items > 1)
     {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t q = 0; q < n_quant; ++q) {
+            const QuantItem &it = quant_list[q];
+            const MatmulJob &job = jobs[it.job];
+            const bool gemm = job.n_tok >= min_gemm_tok;
+            thread_local std::vector<uint8_t> tmp;
+            if (gemm) tmp.resize(xq_row);
+            for (int64_t t = it.t0; t < it.t1; ++t) {
+                const float *x = job.x + t * n_in;
+                if (gemm) {
+                    k.quantize[act_index(at)](x, tmp.data(), n_in);
+                    dequantize_row(at, tmp.data(), xf + xa_offsets[it.job] + t * n_in, n_in);
+                } else {
+                    k.quantize[act_index(at)](x, xq + xa_offsets[it.job] + size_t(t) * xq_row, n_in);
+                }
+            }
+        }
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < n_pack; ++p) {
             const PackItem &pk = pack_list[p];
-            const MatmulJob &job = jobs[pk.job];
-            k.pack(job.x, n_in, job.n_tok, pk.k0, pk.k1, xt + xt_offsets[pk.job]);
+            k.pack(gemm_x(pk.job), n_in, jobs[pk.job].n_tok, pk.k0, pk.k1, xt + xt_offsets[pk.job]);
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < n_items; ++i) {
             const WorkItem &it = item_list[i];
             const MatmulJob &job = jobs[it.job];
-            const auto *w = static_cast<const uint8_t *>(job.w);
-            if (job.n_tok < min_gemm_tok) {
-                k.gemv[dtype_index(type)](w + size_t(it.r0) * row_bytes, row_bytes, it.r1 - it.r0, n_in, job.x,
-                                          n_in, job.n_tok, job.y + it.r0, n_out);
+            const auto *w = static_cast<const uint8_t *>(job.w) + size_t(it.r0) * row_bytes;
+            if (job.n_tok >= min_gemm_tok) {
+                gemm_rows(k, type, static_cast<const uint8_t *>(job.w), row_bytes, n_in, n_out, it.r0, it.r1,
+                          gemm_x(it.job), xt + xt_offsets[it.job], job.n_tok, job.y);
+            } else if (qact) {
+                k.qgemv[ti](w, row_bytes, it.r1 - it.r0, n_in, xq + xa_offsets[it.job], xq_row, job.n_tok,
+                            job.y + it.r0, n_out);
             } else {
-                gemm_rows(k, type, w, row_bytes, n_in, n_out, it.r0, it.r1, job.x, xt + xt_offsets[it.job],
-                          job.n_tok, job.y);
+                k.gemv[ti](w, row_bytes, it.r1 - it.r0, n_in, job.x, n_in, job.n_tok, job.y + it.r0, n_out);
             }
         }
     }

@@ -159,7 +159,10 @@ CpuIsa cpu_isa_supported() {
     unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
     const bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & (1u << 29)) != 0;
     const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c;
-    if (avx2 && __builtin_cpu_supports("avx512f")) return CpuIsa::AVX512;
+    // The AVX-512 kernels' integer dot products use BW, VL and VNNI (vpdpbusd) besides F.
+    if (avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
+        return CpuIsa::AVX512;
     if (avx2) return CpuIsa::AVX2;
 #endif
     return CpuIsa::SCALAR;
@@ -224,8 +227,9 @@ void convert_row_from_f32(DType t, const float *src, void *dst, int64_t n) {
         for (int64_t i = 0; i < n; ++i) h[i] = fp32_to_bf16(src[i]);
         return;
     case DType::Q8_0: quantize_row_q8_0(src, static_cast<BlockQ8_0 *>(dst), n); return;
+    default: break;
     }
-    PRESCOPE_ASSERT(false);
+    fail("convert_row_from_f32: no quantizer for {} (f32, f16, bf16, q8_0 only)", dtype_name(t));
 }
 
 void get_rows(const TensorView &table, const int32_t *ids, int64_t n_tok, float *out) {

@@ -1,5 +1,5 @@
 // CPU kernels: the operations of a MoE transformer forward pass on F32 activations.
-// Weights may be F32, F16, BF16 or Q8_0 (read in place from the mapping). Threaded with OpenMP;
+// Weights may be of any core/dtype.h weight type (read in place from the mapping). Threaded with OpenMP;
 // SIMD paths chosen at run time from the CPU's features. Reference semantics: HF transformers
 // (modeling_qwen3_moe.py, modeling_mixtral.py) and ggml (ggml-cpu/ops.cpp).
 #pragma once
@@ -32,7 +32,7 @@ int cgroup_cpu_limit(const std::string &proc_self_cgroup = "/proc/self/cgroup",
 enum class CpuIsa {
     SCALAR,  // portable C++
     AVX2,    // AVX2 + FMA + F16C
-    AVX512,  // AVX-512F (+ the AVX2 set)
+    AVX512,  // AVX-512 F, BW, VL, VNNI (+ the AVX2 set)
 };
 /// Best ISA this CPU (and OS) supports.
 CpuIsa cpu_isa_supported();
@@ -47,7 +47,9 @@ const char *cpu_isa_name(CpuIsa isa);
 /// y[t][o] = sum_i W[o][i] * x[t][i] for t < n_tok, o < n_out.
 /// W: n_out rows of n_in elements of dtype `type`, packed (row o at w + o * dtype_row_bytes(type, n_in));
 /// n_in must be a multiple of the dtype's block size. x: [n_tok][n_in] F32, y: [n_tok][n_out] F32
-/// (overwritten). Activations stay F32 (weights are converted, not activations quantized).
+/// (overwritten). For quantized weights under ActivationQuant::INT8 (core/dtype.h, the default) each
+/// token's x is quantized to vec_dot_type(type) first, as llama.cpp does, on every path; otherwise the
+/// weights are dequantized and x stays F32.
 /// Threaded over output rows; safe to call from inside an OpenMP parallel region (runs serially).
 void matmul(DType type, const void *w, int64_t n_in, int64_t n_out, const float *x, int64_t n_tok, float *y);
 
@@ -73,7 +75,8 @@ void add_bias(float *y, const float *b, int64_t n_tok, int64_t n_out);
 
 /// Writes n F32 values as a row of dtype t (dtype_row_bytes(t, n) bytes at dst) with core/dtype.h's
 /// conversions (F16/BF16 round to nearest even; Q8_0 as ggml quantize_row_q8_0_ref; n % 32 == 0
-/// for Q8_0). The inverse of dequantize_row up to rounding; for tests, benchmarks and tools.
+/// for Q8_0). The inverse of dequantize_row up to rounding; for tests, benchmarks and tools. Other
+/// dtypes throw Error (PreScope does not write them; llama-quantize does).
 void convert_row_from_f32(DType t, const float *src, void *dst, int64_t n);
 
 /// Embedding lookup: out[t] = row ids[t] of `table` (ne[0] = n_embd, ne[1] = n_vocab), as F32.

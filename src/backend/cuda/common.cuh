@@ -68,9 +68,46 @@ PRESCOPE_HOST_DEVICE constexpr size_t row_bytes(DType type, int64_t n) {
     case DType::F32: return size_t(n) * 4;
     case DType::F16:
     case DType::BF16: return size_t(n) * 2;
+    case DType::Q4_0: return size_t(n / QK4_0) * sizeof(BlockQ4_0);
+    case DType::Q4_1: return size_t(n / QK4_1) * sizeof(BlockQ4_1);
+    case DType::Q5_0: return size_t(n / QK5_0) * sizeof(BlockQ5_0);
+    case DType::Q5_1: return size_t(n / QK5_1) * sizeof(BlockQ5_1);
     case DType::Q8_0: return size_t(n / QK8_0) * sizeof(BlockQ8_0);
+    case DType::Q8_1: return size_t(n / QK8_1) * sizeof(BlockQ8_1);
+    case DType::Q2_K: return size_t(n / QK_K) * sizeof(BlockQ2_K);
+    case DType::Q3_K: return size_t(n / QK_K) * sizeof(BlockQ3_K);
+    case DType::Q4_K: return size_t(n / QK_K) * sizeof(BlockQ4_K);
+    case DType::Q5_K: return size_t(n / QK_K) * sizeof(BlockQ5_K);
+    case DType::Q6_K: return size_t(n / QK_K) * sizeof(BlockQ6_K);
+    case DType::Q8_K: return size_t(n / QK_K) * sizeof(BlockQ8_K);
+    case DType::IQ4_NL: return size_t(n / QK4_NL) * sizeof(BlockIQ4_NL);
+    case DType::IQ4_XS: return size_t(n / QK_K) * sizeof(BlockIQ4_XS);
+    case DType::MXFP4: return size_t(n / QK_MXFP4) * sizeof(BlockMXFP4);
     }
     return 0;
+}
+
+/// Elements per block of a weight type (1 for F32, F16, BF16).
+PRESCOPE_HOST_DEVICE constexpr int64_t block_elems(DType type) {
+    switch (type) {
+    case DType::F32:
+    case DType::F16:
+    case DType::BF16: return 1;
+    case DType::Q2_K:
+    case DType::Q3_K:
+    case DType::Q4_K:
+    case DType::Q5_K:
+    case DType::Q6_K:
+    case DType::Q8_K:
+    case DType::IQ4_XS: return QK_K;
+    default: return 32;
+    }
+}
+
+/// Alignment the kernels need of a weight row's first byte: 16 for F32, F16, BF16 (vector loads), 1 for
+/// MXFP4 (17-byte blocks, read bytewise), 2 for the other block types (their F16 fields).
+PRESCOPE_HOST_DEVICE constexpr size_t weight_alignment(DType type) {
+    return type == DType::F32 || type == DType::F16 || type == DType::BF16 ? 16 : type == DType::MXFP4 ? 1 : 2;
 }
 
 /// Rounds n up to a multiple of 256 (the alignment of workspace parts).

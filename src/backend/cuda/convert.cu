@@ -4,6 +4,8 @@
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/device.cuh"
 
+#include <type_traits>
+
 namespace prescope::cuda {
 
 namespace {
@@ -48,7 +50,7 @@ void launch_convert(const void *src, int64_t n, const int32_t *ids, int64_t n_sr
     case DType::BF16:
         convert_rows_kernel<From, DType::BF16><<<grid, kConvertThreads, 0, stream>>>(s, ids, n, n_src_rows, n_rows, o);
         break;
-    case DType::Q8_0: cuda_unsupported("convert_rows: no conversion to q8_0");
+    default: cuda_unsupported("convert_rows: conversions go to f32, f16 or bf16 only");
     }
 }
 
@@ -56,16 +58,13 @@ void launch_convert(const void *src, int64_t n, const int32_t *ids, int64_t n_sr
 
 void convert_rows(DType type, const void *src, int64_t n, const int32_t *ids, int64_t n_src_rows, int64_t n_rows,
                   DType to, void *out, cudaStream_t stream) {
-    CUDA_ASSERT(n > 0 && n % kChunk == 0 && (type != DType::Q8_0 || n % QK8_0 == 0));
-    CUDA_ASSERT(reinterpret_cast<uintptr_t>(src) % (type == DType::Q8_0 ? 2 : 16) == 0);
+    CUDA_ASSERT(n > 0 && n % kChunk == 0 && n % block_elems(type) == 0);
+    CUDA_ASSERT(reinterpret_cast<uintptr_t>(src) % weight_alignment(type) == 0);
     CUDA_ASSERT(reinterpret_cast<uintptr_t>(out) % 16 == 0);
     if (n_rows <= 0) return;
-    switch (type) {
-    case DType::F32: launch_convert<DType::F32>(src, n, ids, n_src_rows, n_rows, to, out, stream); break;
-    case DType::F16: launch_convert<DType::F16>(src, n, ids, n_src_rows, n_rows, to, out, stream); break;
-    case DType::BF16: launch_convert<DType::BF16>(src, n, ids, n_src_rows, n_rows, to, out, stream); break;
-    case DType::Q8_0: launch_convert<DType::Q8_0>(src, n, ids, n_src_rows, n_rows, to, out, stream); break;
-    }
+    dispatch_weight_type(type, [&](auto t) {
+        launch_convert<decltype(t)::value>(src, n, ids, n_src_rows, n_rows, to, out, stream);
+    });
     launch_check("convert_rows", stream);
 }
 

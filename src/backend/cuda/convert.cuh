@@ -11,11 +11,11 @@
 namespace prescope::cuda {
 
 /// out row r = source row (ids ? ids[r] : r) converted to `to`, for r < n_rows.
-/// src: n_src_rows packed rows of n elements of `type` (F32, F16, BF16, Q8_0; row stride
-/// row_bytes(type, n)); n % 8 == 0 (and % 32 for Q8_0). to: F32, F16 (saturating at +-65504) or BF16
-/// (round to nearest even); out: [n_rows][n] of `to`, 16-byte aligned. src 16-byte aligned for F32,
-/// F16, BF16 and 2-byte aligned for Q8_0. An id outside [0, n_src_rows) gives a row of NaN (callers
-/// validate ids; NaN makes a slip visible instead of reading out of bounds). Async on `stream`.
+/// src: n_src_rows packed rows of n elements of `type` (any weight type; row stride row_bytes(type, n),
+/// dequantized bit for bit as core/dtype.h's dequantize_row); n a multiple of 8 and of the block size.
+/// to: F32, F16 (saturating at +-65504) or BF16 (round to nearest even); out: [n_rows][n] of `to`,
+/// 16-byte aligned; src aligned to weight_alignment(type). An id outside [0, n_src_rows) gives a row of
+/// NaN (callers validate ids; NaN makes a slip visible instead of reading out of bounds). Async on `stream`.
 void convert_rows(DType type, const void *src, int64_t n, const int32_t *ids, int64_t n_src_rows,
                   int64_t n_rows, DType to, void *out, cudaStream_t stream);
 

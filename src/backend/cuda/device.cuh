@@ -1,5 +1,6 @@
 // Device-side helpers of the CUDA ops: warp and block reductions, F16/BF16 bit conversions, reading
-// 8 consecutive weights of any weight dtype, and cp.async staging into shared memory.
+// 8 consecutive weights of any weight dtype (dequantized bit for bit as on the CPU), and cp.async
+// staging into shared memory.
 // Included by .cu files only.
 #pragma once
 
@@ -8,14 +9,17 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 namespace prescope::cuda {
 
 constexpr int kWarp = 32;
 
-/// Weights are read in chunks of 8 consecutive elements, whatever the dtype (a quarter of a Q8_0 block,
-/// 16 bytes of F16/BF16, 32 bytes of F32), so every kernel requires rows of a multiple of 8 elements.
+/// Weights are read in chunks of 8 consecutive elements, whatever the dtype (a quarter of a 32-block, a
+/// 32nd of a 256-superblock, 16 bytes of F16/BF16, 32 bytes of F32), so every kernel requires rows of a
+/// multiple of 8 elements (and of the block size).
 constexpr int kChunk = 8;
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -58,10 +62,51 @@ __device__ __forceinline__ float block_max(float v, float *scratch) {
 __device__ __forceinline__ float f16_bits_to_f32(uint16_t h) { return __half2float(__ushort_as_half(h)); }
 __device__ __forceinline__ float bf16_bits_to_f32(uint16_t h) { return __uint_as_float(uint32_t(h) << 16); }
 
-/// Reads chunk c (elements 8c .. 8c+7) of a weight row starting at `row`, converted to F32 exactly
-/// (Q8_0: d * q as ggml dequantize_row_q8_0 computes it; d * q is exact in F32).
-/// Alignment: F32, F16, BF16 rows 16-byte aligned (16-byte loads); Q8_0 rows 2-byte aligned (34-byte
-/// blocks: the F16 scale, then four 16-bit loads of quants). Global or shared memory.
+/// The 16 entries of an int8 code book packed little-endian in two words (device code cannot read
+/// core/dtype.h's host arrays; scalar constexpr values it can).
+constexpr uint64_t pack_book(const int8_t *v) {
+    uint64_t r = 0;
+    for (int i = 7; i >= 0; --i) r = r << 8 | uint8_t(v[i]);
+    return r;
+}
+constexpr uint64_t kIq4nlLo = pack_book(kIq4nlValues), kIq4nlHi = pack_book(kIq4nlValues + 8);
+constexpr uint64_t kMxfp4Lo = pack_book(kMxfp4Values), kMxfp4Hi = pack_book(kMxfp4Values + 8);
+
+/// Entry q (0..15) of a packed code book.
+__device__ __forceinline__ float book_value(uint64_t lo, uint64_t hi, int q) {
+    return float(int8_t(uint8_t((q < 8 ? lo : hi) >> (8 * (q & 7)))));
+}
+
+/// The block struct of a 32-block weight type.
+template <DType T> struct BlockOf;
+template <> struct BlockOf<DType::Q4_0> { using type = BlockQ4_0; };
+template <> struct BlockOf<DType::Q4_1> { using type = BlockQ4_1; };
+template <> struct BlockOf<DType::Q5_0> { using type = BlockQ5_0; };
+template <> struct BlockOf<DType::Q5_1> { using type = BlockQ5_1; };
+template <> struct BlockOf<DType::IQ4_NL> { using type = BlockIQ4_NL; };
+template <> struct BlockOf<DType::MXFP4> { using type = BlockMXFP4; };
+
+__device__ __forceinline__ uint16_t ld_u16(const uint8_t *p) { return *reinterpret_cast<const uint16_t *>(p); }
+__device__ __forceinline__ float ld_f16(const uint8_t *p) { return f16_bits_to_f32(ld_u16(p)); }
+
+/// Scale and min of group j of a Q4_K / Q5_K block's packed scales (core/dtype.h k4_scale_min).
+__device__ __forceinline__ void k4_scale_min_dev(int j, const uint8_t *q, int &sc, int &m) {
+    if (j < 4) {
+        sc = q[j] & 63;
+        m = q[j + 4] & 63;
+    } else {
+        sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+/// Reads chunk c (elements 8c .. 8c+7) of a weight row starting at `row`, converted to F32 exactly as
+/// core/dtype.h's dequantize_row (ggml's dequantize_row_*): the same F32 operations, the multiply and the
+/// add or subtract of a min rounded separately (__fmul_rn / __fsub_rn: never contracted into an FMA), so
+/// the values are bit for bit the CPU's.
+/// Alignment (weight_alignment): F32, F16, BF16 rows 16-byte aligned (16-byte loads); MXFP4 rows any
+/// address (byte loads); the other block types 2-byte aligned (their F16 fields are read as 16-bit words,
+/// everything else bytewise). Global or shared memory.
 template <DType T>
 __device__ __forceinline__ void load_chunk(const uint8_t *row, int64_t c, float w[kChunk]) {
     if constexpr (T == DType::F32) {
@@ -84,8 +129,7 @@ __device__ __forceinline__ void load_chunk(const uint8_t *row, int64_t c, float 
             w[2 * k] = __uint_as_float(v[k] << 16);
             w[2 * k + 1] = __uint_as_float(v[k] & 0xffff0000u);
         }
-    } else {
-        static_assert(T == DType::Q8_0);
+    } else if constexpr (T == DType::Q8_0) {
         const uint8_t *blk = row + (c >> 2) * int64_t(sizeof(BlockQ8_0));
         const float d = f16_bits_to_f32(*reinterpret_cast<const uint16_t *>(blk));
         const uint16_t *q = reinterpret_cast<const uint16_t *>(blk + 2 + (c & 3) * kChunk);
@@ -94,6 +138,101 @@ __device__ __forceinline__ void load_chunk(const uint8_t *row, int64_t c, float 
             const uint16_t v = q[k];
             w[2 * k] = d * float(int8_t(v & 0xffu));
             w[2 * k + 1] = d * float(int8_t(v >> 8));
+        }
+    } else if constexpr (T == DType::Q4_0 || T == DType::Q4_1 || T == DType::Q5_0 || T == DType::Q5_1 ||
+                         T == DType::IQ4_NL || T == DType::MXFP4) {
+        // 32-blocks with nibbles: weight j < 16 is the low nibble of qs[j], weight j >= 16 the high one of
+        // qs[j - 16]; chunk (c & 3) holds weights 8 (c & 3) .. +7.
+        using B = typename BlockOf<T>::type;
+        const uint8_t *blk = row + (c >> 2) * int64_t(sizeof(B));
+        const int j0 = int(c & 3) * kChunk;
+        const uint8_t *qs = blk + offsetof(B, qs) + (j0 & 15);
+        const int shift = j0 >= 16 ? 4 : 0;
+        uint32_t qh = 0;
+        if constexpr (T == DType::Q5_0 || T == DType::Q5_1) {
+            const uint8_t *h = blk + offsetof(B, qh);
+            qh = uint32_t(ld_u16(h)) | uint32_t(ld_u16(h + 2)) << 16;
+        }
+#pragma unroll
+        for (int k = 0; k < kChunk; ++k) {
+            const int q = (qs[k] >> shift) & 0xF;
+            if constexpr (T == DType::Q4_0) {
+                w[k] = float(q - 8) * ld_f16(blk);
+            } else if constexpr (T == DType::Q4_1) {
+                w[k] = __fadd_rn(__fmul_rn(float(q), ld_f16(blk)), ld_f16(blk + 2));
+            } else if constexpr (T == DType::Q5_0) {
+                w[k] = float((q | int((qh >> (j0 + k)) & 1) << 4) - 16) * ld_f16(blk);
+            } else if constexpr (T == DType::Q5_1) {
+                w[k] = __fadd_rn(__fmul_rn(float(q | int((qh >> (j0 + k)) & 1) << 4), ld_f16(blk)), ld_f16(blk + 2));
+            } else if constexpr (T == DType::IQ4_NL) {
+                w[k] = ld_f16(blk) * book_value(kIq4nlLo, kIq4nlHi, q);
+            } else {
+                const uint32_t e = blk[0];
+                const float d = __uint_as_float(e < 2 ? 0x00200000u << e : (e - 1) << 23);  // e8m0_to_fp32_half
+                w[k] = book_value(kMxfp4Lo, kMxfp4Hi, q) * d;
+            }
+        }
+    } else {
+        // Super-blocks of 256: chunk (c & 31) holds elements e .. e + 7 of block c / 32.
+        const int e = int(c & 31) * kChunk;
+        if constexpr (T == DType::Q4_K || T == DType::Q5_K) {
+            constexpr size_t kBytes = T == DType::Q4_K ? sizeof(BlockQ4_K) : sizeof(BlockQ5_K);
+            const uint8_t *blk = row + (c >> 5) * int64_t(kBytes);
+            const int g = e / 32, l = e % 32;  // group of 32; nibbles of qs[32 (g / 2) + l ...] >> 4 (g % 2)
+            int sc, m;
+            k4_scale_min_dev(g, blk + 4, sc, m);
+            const float d1 = __fmul_rn(ld_f16(blk), float(sc)), m1 = __fmul_rn(ld_f16(blk + 2), float(m));
+            const uint8_t *qs = blk + (T == DType::Q4_K ? 16 : 48) + 32 * (g / 2) + l;
+#pragma unroll
+            for (int k = 0; k < kChunk; ++k) {
+                int q = (qs[k] >> (4 * (g % 2))) & 0xF;
+                if constexpr (T == DType::Q5_K) q |= ((blk[16 + l + k] >> g) & 1) << 4;
+                w[k] = __fsub_rn(__fmul_rn(d1, float(q)), m1);
+            }
+        } else if constexpr (T == DType::Q6_K) {
+            const uint8_t *blk = row + (c >> 5) * int64_t(sizeof(BlockQ6_K));
+            const int half = e / 128, quarter = (e % 128) / 32, l = e % 32;
+            const uint8_t *ql = blk + 64 * half + 32 * (quarter & 1) + l, *qh = blk + 128 + 32 * half + l;
+            const float dl = __fmul_rn(ld_f16(blk + 208), float(int8_t(blk[192 + 8 * half + 2 * quarter + l / 16])));
+#pragma unroll
+            for (int k = 0; k < kChunk; ++k) {
+                const int q = (((ql[k] >> (4 * (quarter >> 1))) & 0xF) | (((qh[k] >> (2 * quarter)) & 3) << 4)) - 32;
+                w[k] = __fmul_rn(dl, float(q));
+            }
+        } else if constexpr (T == DType::Q2_K || T == DType::Q3_K) {
+            // Per 128-half: 4 shifts of 2 bits over qs[32 half ..], each covering 32 weights in 2 groups of 16.
+            const int half = e / 128, j = (e % 128) / 32, part = (e % 32) / 16, l = e % 16;
+            const int g = 8 * half + 2 * j + part;
+            if constexpr (T == DType::Q2_K) {
+                const uint8_t *blk = row + (c >> 5) * int64_t(sizeof(BlockQ2_K));
+                const uint8_t sc = blk[g];
+                const float dl = __fmul_rn(ld_f16(blk + 80), float(sc & 0xF));
+                const float ml = __fmul_rn(ld_f16(blk + 82), float(sc >> 4));
+                const uint8_t *qs = blk + 16 + 32 * half + 16 * part + l;
+#pragma unroll
+                for (int k = 0; k < kChunk; ++k) w[k] = __fsub_rn(__fmul_rn(dl, float((qs[k] >> (2 * j)) & 3)), ml);
+            } else {
+                const uint8_t *blk = row + (c >> 5) * int64_t(sizeof(BlockQ3_K));
+                const uint8_t *sp = blk + 96;  // 12 packed scales: low 4 bits in bytes 0-7, high 2 in bytes 8-11
+                const int lo = g < 8 ? sp[g] & 0xF : sp[g - 8] >> 4, hi = (sp[8 + g % 4] >> (2 * (g / 4))) & 3;
+                const float dl = __fmul_rn(ld_f16(blk + 108), float((lo | hi << 4) - 32));
+                const uint8_t *qs = blk + 32 + 32 * half + 16 * part + l, *hm = blk + 16 * part + l;
+#pragma unroll
+                for (int k = 0; k < kChunk; ++k) {
+                    const int q = ((qs[k] >> (2 * j)) & 3) - (((hm[k] >> (4 * half + j)) & 1) ? 0 : 4);
+                    w[k] = __fmul_rn(dl, float(q));
+                }
+            }
+        } else {
+            static_assert(T == DType::IQ4_XS);
+            const uint8_t *blk = row + (c >> 5) * int64_t(sizeof(BlockIQ4_XS));
+            const int g = e / 32, l = e % 32;
+            const int ls = ((blk[4 + g / 2] >> (4 * (g % 2))) & 0xF) | (((ld_u16(blk + 2) >> (2 * g)) & 3) << 4);
+            const float dl = __fmul_rn(ld_f16(blk), float(ls - 32));
+            const uint8_t *qs = blk + 8 + 16 * g + (l & 15);
+            const int shift = l >= 16 ? 4 : 0;
+#pragma unroll
+            for (int k = 0; k < kChunk; ++k) w[k] = __fmul_rn(dl, book_value(kIq4nlLo, kIq4nlHi, (qs[k] >> shift) & 0xF));
         }
     }
 }
@@ -153,6 +292,31 @@ __device__ __forceinline__ void cp_async_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 #endif
+}
+
+/// Calls f(std::integral_constant<DType, T>{}) for the weight type t (kernels are templates on it).
+template <class F> void dispatch_weight_type(DType t, F &&f) {
+    switch (t) {
+    case DType::F32: f(std::integral_constant<DType, DType::F32>{}); return;
+    case DType::F16: f(std::integral_constant<DType, DType::F16>{}); return;
+    case DType::BF16: f(std::integral_constant<DType, DType::BF16>{}); return;
+    case DType::Q8_0: f(std::integral_constant<DType, DType::Q8_0>{}); return;
+    case DType::Q4_0: f(std::integral_constant<DType, DType::Q4_0>{}); return;
+    case DType::Q4_1: f(std::integral_constant<DType, DType::Q4_1>{}); return;
+    case DType::Q5_0: f(std::integral_constant<DType, DType::Q5_0>{}); return;
+    case DType::Q5_1: f(std::integral_constant<DType, DType::Q5_1>{}); return;
+    case DType::Q2_K: f(std::integral_constant<DType, DType::Q2_K>{}); return;
+    case DType::Q3_K: f(std::integral_constant<DType, DType::Q3_K>{}); return;
+    case DType::Q4_K: f(std::integral_constant<DType, DType::Q4_K>{}); return;
+    case DType::Q5_K: f(std::integral_constant<DType, DType::Q5_K>{}); return;
+    case DType::Q6_K: f(std::integral_constant<DType, DType::Q6_K>{}); return;
+    case DType::IQ4_NL: f(std::integral_constant<DType, DType::IQ4_NL>{}); return;
+    case DType::IQ4_XS: f(std::integral_constant<DType, DType::IQ4_XS>{}); return;
+    case DType::MXFP4: f(std::integral_constant<DType, DType::MXFP4>{}); return;
+    case DType::Q8_1:
+    case DType::Q8_K: break;
+    }
+    cuda_unsupported("q8_1 / q8_K are activation types, not weights");
 }
 
 /// Threads of a block that reduces one row of n elements (norms, softmax): enough to keep a few

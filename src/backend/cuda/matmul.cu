@@ -1,5 +1,7 @@
 // Matrix products (matmul.cuh): the GEMV kernel for few tokens (any weight dtype, one launch for all
-// experts of a layer) and the cuBLAS path for many tokens. Decision: docs/decisions/0040-cuda-matmul.md.
+// experts of a layer), the cuBLAS path for many tokens, and the activation quantizer that makes both
+// multiply what the CPU's integer dot products multiply. Decisions: docs/decisions/0040-cuda-matmul.md,
+// 0062-cuda-weight-types.md.
 #include "backend/cuda/matmul.cuh"
 
 #include "backend/cuda/convert.cuh"
@@ -9,6 +11,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 
 namespace prescope::cuda {
 
@@ -38,8 +41,8 @@ template <DType T> constexpr int kRowStride = kSliceBytes<T> + 16;
 template <DType T> constexpr int kStageBytes = kMmvRows * kRowStride<T>;
 template <DType T> constexpr int kMmvSmemBytes = 2 * kStageBytes<T>;
 static_assert(kMmvSmemBytes<DType::F32> <= 48 * 1024 && kMmvSmemBytes<DType::BF16> <= 48 * 1024 &&
-              kMmvSmemBytes<DType::Q8_0> <= 48 * 1024, "GEMV stages must fit the default shared memory");
-static_assert(kSliceBytes<DType::Q8_0> % 16 == 0, "a Q8_0 slice must be whole blocks and 16-byte pieces");
+              kMmvSmemBytes<DType::Q6_K> <= 48 * 1024, "GEMV stages must fit the default shared memory");
+static_assert(kSliceChunks<DType::Q4_K> * kChunk % QK_K == 0, "a slice must be whole super-blocks");
 
 struct MmvArgs {
     const void *w;              // the matrix when w_list == nullptr
@@ -177,11 +180,67 @@ void launch_mmv(const MmvArgs &a, int n_group, int max_pairs, cudaStream_t strea
 }
 
 void launch_mmv(DType type, const MmvArgs &a, int n_group, int max_pairs, cudaStream_t stream) {
-    switch (type) {
-    case DType::F32: launch_mmv<DType::F32>(a, n_group, max_pairs, stream); break;
-    case DType::F16: launch_mmv<DType::F16>(a, n_group, max_pairs, stream); break;
-    case DType::BF16: launch_mmv<DType::BF16>(a, n_group, max_pairs, stream); break;
-    case DType::Q8_0: launch_mmv<DType::Q8_0>(a, n_group, max_pairs, stream); break;
+    dispatch_weight_type(type, [&](auto t) { launch_mmv<decltype(t)::value>(a, n_group, max_pairs, stream); });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Activations quantized to the weights' vec-dot type and back (ActivationQuant::INT8): one warp per
+// block of 32 (Q8_0, Q8_1) or 256 (Q8_K, 8 per lane), the F32 operations of core/dtype.h's
+// quantize_row_q8_* and dequantize_row, so each value is bit for bit what the CPU's integer kernels
+// multiply.
+
+constexpr int kQuantThreads = 256;
+
+template <DType A>
+__global__ void __launch_bounds__(kQuantThreads)
+    quantize_act_kernel(const float *__restrict__ x, const int32_t *__restrict__ rows, int64_t n, int64_t n_rows,
+                        float *__restrict__ out) {
+    constexpr int kBlock = A == DType::Q8_K ? int(QK_K) : 32, kPer = kBlock / kWarp;
+    const int lane = int(threadIdx.x) % kWarp;
+    const int64_t blk = (int64_t(blockIdx.x) * kQuantThreads + threadIdx.x) / kWarp;
+    const int64_t per_row = n / kBlock;
+    if (blk >= n_rows * per_row) return;  // whole warps leave together
+    const int64_t r = blk / per_row, b = blk % per_row;
+    const float *src = x + (rows != nullptr ? int64_t(rows[r]) : r) * n + b * kBlock + lane * kPer;
+    float *dst = out + r * n + b * kBlock + lane * kPer;
+    float v[kPer], amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+        v[i] = src[i];
+        amax = fmaxf(amax, fabsf(v[i]));
+    }
+    amax = warp_max(amax);
+    if constexpr (A != DType::Q8_K) {
+        // quantize_row_q8_0 / _q8_1: d = amax / 127, q = roundf(x / d), dequantized with d rounded to F16.
+        // The quants pass through int, as the CPU's int8 do, so that -0 becomes 0.
+        const float d = amax / 127.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        const float dh = __half2float(__float2half_rn(d));
+#pragma unroll
+        for (int i = 0; i < kPer; ++i) dst[i] = __fmul_rn(float(int(roundf(__fmul_rn(v[i], id)))), dh);
+    } else {
+        // quantize_row_q8_K: the scale comes from the first element of largest magnitude, with its sign.
+        int first = INT_MAX;
+        float mx = 0.0f;
+#pragma unroll
+        for (int i = kPer - 1; i >= 0; --i) {
+            if (fabsf(v[i]) == amax) first = lane * kPer + i, mx = v[i];
+        }
+#pragma unroll
+        for (int o = kWarp / 2; o > 0; o >>= 1) {
+            const int of = __shfl_xor_sync(0xffffffffu, first, o);
+            const float om = __shfl_xor_sync(0xffffffffu, mx, o);
+            if (of < first) first = of, mx = om;
+        }
+        if (amax == 0.0f) {
+#pragma unroll
+            for (int i = 0; i < kPer; ++i) dst[i] = 0.0f;
+            return;
+        }
+        const float iscale = -127.0f / mx;
+        const float d = 1.0f / iscale;
+#pragma unroll
+        for (int i = 0; i < kPer; ++i) dst[i] = __fmul_rn(d, float(min(__float2int_rn(__fmul_rn(iscale, v[i])), 127)));
     }
 }
 
@@ -189,11 +248,13 @@ void launch_mmv(DType type, const MmvArgs &a, int n_group, int max_pairs, cudaSt
 // cuBLAS path. Row-major y[n_tok][n_out] = x[n_tok][n_in] W^T is, in cuBLAS's column-major terms,
 // C (n_out x n_tok) = op_T(A: n_in x n_out) * B (n_in x n_tok), lda = ldb = n_in, ldc = n_out.
 
-// Q8_0 weights are dequantized to BF16 in pieces of at most this many bytes (the workspace's share).
+// Quantized weights are dequantized to BF16 in pieces of at most this many bytes (the workspace's share).
 constexpr size_t kDequantChunkBytes = size_t(32) << 20;
 
+bool quantized(DType w) { return w != DType::F32 && w != DType::F16 && w != DType::BF16; }
+
 // Type the activations are converted to: cuBLAS needs both operands of one type.
-DType act_type(DType w) { return w == DType::Q8_0 ? DType::BF16 : w; }
+DType act_type(DType w) { return quantized(w) ? DType::BF16 : w; }
 
 size_t elem_bytes(DType t) { return row_bytes(t, kChunk) / kChunk; }
 
@@ -202,9 +263,9 @@ cudaDataType_t cuda_data_type(DType t) {
     case DType::F32: return CUDA_R_32F;
     case DType::F16: return CUDA_R_16F;
     case DType::BF16: return CUDA_R_16BF;
-    case DType::Q8_0: break;
+    default: break;
     }
-    cuda_unsupported("cuBLAS has no q8_0 operand type");
+    cuda_unsupported("cuBLAS has no operand type for block-quantized weights");
 }
 
 int64_t dequant_rows(int64_t n_in, int64_t n_out) {
@@ -213,7 +274,12 @@ int64_t dequant_rows(int64_t n_in, int64_t n_out) {
 }
 
 size_t dequant_bytes(DType type, int64_t n_in, int64_t n_out) {
-    return type == DType::Q8_0 ? align_256(size_t(dequant_rows(n_in, n_out)) * size_t(n_in) * 2) : 0;
+    return quantized(type) ? align_256(size_t(dequant_rows(n_in, n_out)) * size_t(n_in) * 2) : 0;
+}
+
+// Workspace for the activations quantized and back: n_rows rows of n_in F32, or nothing.
+size_t quant_bytes(DType type, int64_t n_in, int64_t n_rows) {
+    return quantizes_activations(type) ? align_256(size_t(n_rows) * size_t(n_in) * 4) : 0;
 }
 
 // C[n_tok][ldc] (columns [0, m)) = A (m rows of k elements of type at) times B ([n_tok][k] of type at).
@@ -236,7 +302,7 @@ void gemm(DType at, const void *a, int64_t m, int64_t n_tok, int64_t k, const vo
 void gemm_converted(DType type, const void *w, int64_t n_in, int64_t n_out, const void *xc, int64_t n_tok, float *y,
                     void *wb, cudaStream_t stream) {
     CUBLAS_CHECK(cublasSetStream(cublas_handle(), stream));
-    if (type != DType::Q8_0) {
+    if (!quantized(type)) {
         gemm(type, w, n_out, n_tok, n_in, xc, y, n_out);
         return;
     }
@@ -264,24 +330,42 @@ MatmulPath resolve_path(MatmulPath path) {
 }
 
 void check_weights(DType type, const void *w, int64_t n_in, int64_t n_out) {
-    CUDA_ASSERT(n_in > 0 && n_out > 0 && n_in % kChunk == 0 && (type != DType::Q8_0 || n_in % QK8_0 == 0));
-    CUDA_ASSERT(reinterpret_cast<uintptr_t>(w) % (type == DType::Q8_0 ? 2 : 16) == 0);
+    CUDA_ASSERT(n_in > 0 && n_out > 0 && n_in % kChunk == 0 && n_in % block_elems(type) == 0);
+    CUDA_ASSERT(reinterpret_cast<uintptr_t>(w) % weight_alignment(type) == 0);
 }
 
 } // namespace
 
+void quantize_activations(DType type, const float *x, const int32_t *rows, int64_t n, int64_t n_rows, float *out,
+                          cudaStream_t stream) {
+    const DType a = vec_dot_type(type);
+    CUDA_ASSERT(a == DType::Q8_0 || a == DType::Q8_1 || a == DType::Q8_K);
+    CUDA_ASSERT(n > 0 && n % block_elems(a) == 0 && n_rows >= 0);
+    if (n_rows == 0) return;
+    const int64_t warps = n_rows * (n / block_elems(a));
+    const unsigned grid = unsigned(ceil_div(warps * kWarp, kQuantThreads));
+    if (a == DType::Q8_K) {
+        quantize_act_kernel<DType::Q8_K><<<grid, kQuantThreads, 0, stream>>>(x, rows, n, n_rows, out);
+    } else {
+        // Q8_1 quantizes and dequantizes as Q8_0 (its extra sum is not part of the values).
+        quantize_act_kernel<DType::Q8_0><<<grid, kQuantThreads, 0, stream>>>(x, rows, n, n_rows, out);
+    }
+    launch_check("quantize_activations", stream);
+}
+
 int matmul_gemv_max_tokens(DType type) {
-    // Q8_0 weights cost 1.06 B each to stream and 2 + 2 B more to dequantize for cuBLAS, so GEMV (one
-    // pass per 8 tokens, mostly from L2) stays ahead longer than for BF16, which cuBLAS reads directly.
-    return type == DType::Q8_0 ? 32 : kMmvMaxTokens;
+    // Quantized weights cost 0.3-1.1 B each to stream and 2 + 2 B more to dequantize for cuBLAS, so GEMV
+    // (one pass per 8 tokens, mostly from L2) stays ahead longer than for BF16, which cuBLAS reads directly.
+    return quantized(type) ? 32 : kMmvMaxTokens;
 }
 
 size_t matmul_workspace_bytes(DType type, int64_t n_in, int64_t n_out, int64_t n_tok, MatmulPath path) {
     path = resolve_path(path);
-    if (path == MatmulPath::GEMV || (path == MatmulPath::AUTO && n_tok <= matmul_gemv_max_tokens(type))) return 0;
+    const size_t q = quant_bytes(type, n_in, n_tok);
+    if (path == MatmulPath::GEMV || (path == MatmulPath::AUTO && n_tok <= matmul_gemv_max_tokens(type))) return q;
     const size_t x_bytes =
         type == DType::F32 ? 0 : align_256(size_t(n_tok) * size_t(n_in) * elem_bytes(act_type(type)));
-    return x_bytes + dequant_bytes(type, n_in, n_out);
+    return q + x_bytes + dequant_bytes(type, n_in, n_out);
 }
 
 void matmul(DType type, const void *w, int64_t n_in, int64_t n_out, const float *x, int64_t n_tok, float *y,
@@ -292,19 +376,25 @@ void matmul(DType type, const void *w, int64_t n_in, int64_t n_out, const float 
     if (n_tok == 0) return;
     path = resolve_path(path);
     if (path == MatmulPath::AUTO) path = n_tok <= matmul_gemv_max_tokens(type) ? MatmulPath::GEMV : MatmulPath::CUBLAS;
+    CUDA_ASSERT(ws.bytes >= matmul_workspace_bytes(type, n_in, n_out, n_tok, path));
+    // Workspace: [activations quantized and back] [activations as act_type] [dequantized weights].
+    auto *next = static_cast<uint8_t *>(ws.ptr);
+    if (quantizes_activations(type)) {
+        quantize_activations(type, x, nullptr, n_in, n_tok, reinterpret_cast<float *>(next), stream);
+        x = reinterpret_cast<const float *>(next);
+        next += quant_bytes(type, n_in, n_tok);
+    }
     if (path == MatmulPath::GEMV) {
         const MmvArgs a{w, nullptr, nullptr, nullptr, x, y, n_in, n_out, int32_t(n_tok), INT32_MAX};
         launch_mmv(type, a, 1, int(n_tok), stream);
     } else {
-        CUDA_ASSERT(ws.bytes >= matmul_workspace_bytes(type, n_in, n_out, n_tok, path));
         const void *xc = x;
-        void *wb = ws.ptr;
         if (type != DType::F32) {
-            convert_rows(DType::F32, x, n_in, nullptr, n_tok, n_tok, act_type(type), ws.ptr, stream);
-            wb = static_cast<uint8_t *>(ws.ptr) + align_256(size_t(n_tok) * size_t(n_in) * elem_bytes(act_type(type)));
-            xc = ws.ptr;
+            convert_rows(DType::F32, x, n_in, nullptr, n_tok, n_tok, act_type(type), next, stream);
+            xc = next;
+            next += align_256(size_t(n_tok) * size_t(n_in) * elem_bytes(act_type(type)));
         }
-        gemm_converted(type, w, n_in, n_out, xc, n_tok, y, wb, stream);
+        gemm_converted(type, w, n_in, n_out, xc, n_tok, y, next, stream);
     }
     launch_check("matmul", stream);
 }
@@ -315,12 +405,13 @@ int64_t expert_matmul_pairs(const ExpertMatmul &g) {
 
 size_t expert_matmul_workspace_bytes(const ExpertMatmul &g, MatmulPath path) {
     path = resolve_path(path);
-    if (path == MatmulPath::GEMV) return 0;
+    const size_t q = quant_bytes(g.type, g.n_in, expert_matmul_pairs(g));
+    if (path == MatmulPath::GEMV) return q;
     const int limit = path == MatmulPath::CUBLAS ? 0 : matmul_gemv_max_tokens(g.type);
     bool any_cublas = false;
     for (int32_t e = 0; e < g.n_expert; ++e) any_cublas |= g.offsets_host[e + 1] - g.offsets_host[e] > limit;
-    if (!any_cublas) return 0;
-    return align_256(size_t(expert_matmul_pairs(g)) * size_t(g.n_in) * elem_bytes(act_type(g.type))) +
+    if (!any_cublas) return q;
+    return q + align_256(size_t(expert_matmul_pairs(g)) * size_t(g.n_in) * elem_bytes(act_type(g.type))) +
            dequant_bytes(g.type, g.n_in, g.n_out);
 }
 
@@ -347,22 +438,33 @@ void expert_matmul(const ExpertMatmul &g, const float *x, float *y, Workspace ws
             any_cublas = true;
         }
     }
+    const int64_t n_pairs = expert_matmul_pairs(g);
+    CUDA_ASSERT(ws.bytes >= expert_matmul_workspace_bytes(g, path));
+    // Workspace: [pair inputs quantized and back] [pair inputs as act_type] [dequantized weights].
+    auto *next = static_cast<uint8_t *>(ws.ptr);
+    const int32_t *rows = g.rows_dev;
+    if (quantizes_activations(g.type)) {
+        // Gathered into pair order on the way, so the kernels below read row p for pair p.
+        quantize_activations(g.type, x, rows, g.n_in, n_pairs, reinterpret_cast<float *>(next), stream);
+        x = reinterpret_cast<const float *>(next);
+        rows = nullptr;
+        next += quant_bytes(g.type, g.n_in, n_pairs);
+    }
     if (max_small > 0) {
-        const MmvArgs a{nullptr, g.w_dev, g.offsets_dev, g.rows_dev, x, y, g.n_in, g.n_out, 0, limit};
+        const MmvArgs a{nullptr, g.w_dev, g.offsets_dev, rows, x, y, g.n_in, g.n_out, 0, limit};
         launch_mmv(g.type, a, g.n_expert, max_small, stream);
     }
     if (any_cublas) {
-        CUDA_ASSERT(ws.bytes >= expert_matmul_workspace_bytes(g, path));
         const DType at = act_type(g.type);
-        const int64_t n_pairs = expert_matmul_pairs(g);
         // Gather (and convert) every pair's input once; each expert then reads a contiguous block.
-        convert_rows(DType::F32, x, g.n_in, g.rows_dev, INT64_MAX, n_pairs, at, ws.ptr, stream);
-        void *wb = static_cast<uint8_t *>(ws.ptr) + align_256(size_t(n_pairs) * size_t(g.n_in) * elem_bytes(at));
+        convert_rows(DType::F32, x, g.n_in, rows, INT64_MAX, n_pairs, at, next, stream);
+        const uint8_t *xa = next;
+        next += align_256(size_t(n_pairs) * size_t(g.n_in) * elem_bytes(at));
         for (int32_t e = 0; e < g.n_expert; ++e) {
             const int32_t p0 = g.offsets_host[e], n = g.offsets_host[e + 1] - p0;
             if (n <= limit) continue;
-            const void *xc = static_cast<const uint8_t *>(ws.ptr) + size_t(p0) * size_t(g.n_in) * elem_bytes(at);
-            gemm_converted(g.type, g.w_host[e], g.n_in, g.n_out, xc, n, y + int64_t(p0) * g.n_out, wb, stream);
+            const void *xc = xa + size_t(p0) * size_t(g.n_in) * elem_bytes(at);
+            gemm_converted(g.type, g.w_host[e], g.n_in, g.n_out, xc, n, y + int64_t(p0) * g.n_out, next, stream);
         }
     }
     launch_check("expert_matmul", stream);

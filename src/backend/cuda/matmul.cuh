@@ -1,6 +1,7 @@
-// Matrix products on the GPU: y = W x for weights of any dtype (F32, F16, BF16, Q8_0) and F32
-// activations, one matrix (matmul) or the active experts of a layer in one call (expert_matmul).
-// Kernel choice and its reasons: docs/decisions/0040-cuda-matmul.md.
+// Matrix products on the GPU: y = W x for weights of any core/dtype.h weight type and F32 activations,
+// one matrix (matmul) or the active experts of a layer in one call (expert_matmul). Quantized weights are
+// dequantized inside the kernels, from the bytes as stored (so slots and copies hold the file's bytes).
+// Kernel choice and its reasons: docs/decisions/0040-cuda-matmul.md, 0062-cuda-weight-types.md.
 #pragma once
 
 #include "backend/cuda/common.cuh"
@@ -13,18 +14,27 @@
 
 namespace prescope::cuda {
 
-/// Which kernel runs a product.
+/// Which kernel runs a product. With quantized weights under ActivationQuant::INT8 (core/dtype.h, the
+/// default) both first replace the activations by their quantization to vec_dot_type(type) and back
+/// (quantize_activations), the values the CPU's integer dot products multiply.
 /// GEMV: own kernel, weights streamed once per 8 tokens, converted to F32 exactly, F32 accumulation
 ///   (same numerics as cpu::matmul up to summation order). Best up to a few tokens (decode).
 /// CUBLAS: activations converted to the weights' 16-bit type (BF16; F16 for F16 weights; none for
-///   F32), Q8_0 weights dequantized to BF16 in the workspace, then cublasGemmEx / cublasSgemm with
-///   F32 accumulation. Best for many tokens (prefill); costs 16-bit rounding of the activations.
+///   F32), block-quantized weights dequantized to BF16 in the workspace, then cublasGemmEx / cublasSgemm
+///   with F32 accumulation. Best for many tokens (prefill); costs 16-bit rounding of the activations.
 /// AUTO: GEMV when a matrix sees at most matmul_gemv_max_tokens(type) tokens, else CUBLAS. The
 ///   environment variable PRESCOPE_CUDA_MATMUL=gemv|cublas turns AUTO into one of them (debugging).
 enum class MatmulPath { AUTO, GEMV, CUBLAS };
 
-/// The AUTO threshold: most tokens per matrix for which GEMV is chosen (Q8_0: 32, others: 8).
+/// The AUTO threshold: most tokens per matrix for which GEMV is chosen (block-quantized: 32, others: 8).
 int matmul_gemv_max_tokens(DType type);
+
+/// out row r = x row (rows ? rows[r] : r) quantized to vec_dot_type(type) (Q8_0, Q8_1 or Q8_K) and
+/// dequantized, bit for bit as core/dtype.h's quantize_row_q8_* then dequantize_row, for r < n_rows.
+/// type: a block-quantized weight type; x: [..][n] F32, n a multiple of the activation block (32 or 256);
+/// out: [n_rows][n] F32 (must not overlap x). Device pointers; async on `stream`.
+void quantize_activations(DType type, const float *x, const int32_t *rows, int64_t n, int64_t n_rows, float *out,
+                          cudaStream_t stream);
 
 /// Workspace bytes matmul needs for these sizes and path (0 for GEMV).
 size_t matmul_workspace_bytes(DType type, int64_t n_in, int64_t n_out, int64_t n_tok,
@@ -32,10 +42,11 @@ size_t matmul_workspace_bytes(DType type, int64_t n_in, int64_t n_out, int64_t n
 
 /// The CUDA twin of cpu::matmul: y[t][o] = sum_i W[o][i] * x[t][i] for t < n_tok, o < n_out.
 /// w: n_out packed rows of n_in elements of `type` on the device (ggml order: ne[0] = n_in fastest;
-/// Q8_0 rows are n_in / 32 blocks of {F16 scale, 32 int8}, core/dtype.h), 16-byte aligned (Q8_0:
-/// 2-byte: such rows are read in whole aligned 16-byte pieces, which never leave the allocation's pages);
-/// n_in % 32 == 0 for Q8_0, % 8 otherwise. x: [n_tok][n_in] F32, y: [n_tok][n_out] F32 (overwritten,
-/// must not overlap x), both device, 16-byte aligned. ws: at least matmul_workspace_bytes(...) bytes.
+/// block types as core/dtype.h / ggml-common.h lay them out), aligned to weight_alignment(type) (16 for
+/// F32, F16, BF16; 2 for block types, 1 for MXFP4: such rows are read in whole aligned 16-byte pieces,
+/// which never leave the allocation's pages); n_in a multiple of 8 and of the block size. x:
+/// [n_tok][n_in] F32, y: [n_tok][n_out] F32 (overwritten, must not overlap x), both device, 16-byte
+/// aligned. ws: at least matmul_workspace_bytes(...) bytes.
 /// Asynchronous on `stream` (which also orders the use of ws); no host synchronization.
 void matmul(DType type, const void *w, int64_t n_in, int64_t n_out, const float *x, int64_t n_tok, float *y,
             Workspace ws, cudaStream_t stream, MatmulPath path = MatmulPath::AUTO);
@@ -60,9 +71,10 @@ struct ExpertMatmul {
 /// Pairs in the call (offsets_host[n_expert]).
 int64_t expert_matmul_pairs(const ExpertMatmul &g);
 
-/// Workspace bytes expert_matmul needs for g (0 when every expert takes the GEMV path). With
-/// MatmulPath::CUBLAS and every pair on one expert it is the most any call of that many pairs can need:
-/// n_pairs * n_in * 2 bytes (+ a dequantization buffer of <= 32 MiB for Q8_0), rounded to 256.
+/// Workspace bytes expert_matmul needs for g (0 when every expert takes the GEMV path and activations
+/// stay F32). With MatmulPath::CUBLAS and every pair on one expert it is the most any call of that many
+/// pairs can need: n_pairs * n_in * 2 bytes (+ a dequantization buffer of <= 32 MiB for block types,
+/// + n_pairs * n_in * 4 for quantized activations), each part rounded to 256.
 size_t expert_matmul_workspace_bytes(const ExpertMatmul &g, MatmulPath path = MatmulPath::AUTO);
 
 /// y[p] = W_e x[rows[p]] for every pair p of every expert e in g: one GEMV launch for the experts

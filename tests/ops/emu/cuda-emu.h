@@ -86,6 +86,11 @@ inline float __int_as_float(int32_t i) {
     std::memcpy(&f, &i, 4);
     return f;
 }
+// Rounded F32 operations that CUDA never contracts into an FMA (the emulation is built without FMA).
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline int __float2int_rn(float a) { return int(std::nearbyint(a)); }  // round half to even (default mode)
 template <class A, class B> auto min(A a, B b) { return a < b ? a : b; }
 template <class A, class B> auto max(A a, B b) { return a < b ? b : a; }
 using std::isnan;

@@ -1,0 +1,39 @@
+// LoadBalancer: moving averages of measured / predicted time, per resource.
+#include "offload/load-balancer.h"
+
+#include "offload/layer-stats.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace prescope {
+
+bool LoadBalancer::update(double &factor, double work_us, double predicted_us) {
+    // Too short to time reliably (a few us of host jitter) or nothing predicted: skip.
+    if (!(work_us > 1.0) || !(predicted_us > 1.0)) return false;
+    const double before = factor;
+    // The prediction already includes the factor: the ratio is what is left to correct.
+    const double ratio = work_us / predicted_us;
+    factor = std::clamp(factor * std::pow(ratio, config_.rate), config_.min_factor, config_.max_factor);
+    return std::abs(factor / before - 1.0) > config_.count_change;
+}
+
+void LoadBalancer::observe(const LayerMeasurement &m, LayerStats &stats, bool learn) {
+    if (learn) {
+        int changed = 0;
+        changed += update(corrections_.cpu, m.cpu_work_us, m.cpu_predicted_us);
+        changed += update(corrections_.gpu, m.gpu_work_us, m.gpu_predicted_us);
+        changed += update(corrections_.link, m.link_work_us, m.link_predicted_us);
+        stats.corrections += uint64_t(changed);
+    }
+    if (m.cpu_end_us >= 0 && m.gpu_end_us >= 0) {
+        stats.finish_gap_us += m.cpu_end_us - m.gpu_end_us;
+        stats.finish_gap_abs_us += std::abs(m.cpu_end_us - m.gpu_end_us);
+    }
+    if (m.layer_us >= 0) {
+        layer_estimate_us_ = layer_estimate_us_ > 0 ? layer_estimate_us_ + config_.rate * (m.layer_us - layer_estimate_us_)
+                                                    : m.layer_us;
+    }
+}
+
+} // namespace prescope

@@ -1,0 +1,50 @@
+// Dynamic load balancing: online corrections of the cost model from what each layer measured (CPU expert
+// time on the host, GPU expert time on the device, copy time from the copy engine), the CPU/GPU finish gap
+// and the layer time the planner's deadlines use. The scheduler then moves experts between the CPU and the
+// link on its own, because it plans with the corrected costs. Decision: docs/decisions/0082.
+#pragma once
+
+#include "offload/cost-model.h"
+
+#include <cstdint>
+
+namespace prescope {
+
+struct LayerStats;
+
+struct LoadBalancerConfig {
+    double rate = 0.25;        // weight of a new measurement (exponential moving average of log ratios)
+    double min_factor = 0.25;  // corrections stay in [min_factor, max_factor]
+    double max_factor = 4.0;
+    double count_change = 0.02;  // a correction counts (LayerStats::corrections) when it moves by more than this
+};
+
+/// One layer's measurements against the plan's predictions. Negative = not measured (e.g. no CPU experts, or a
+/// backend that cannot time events). Times in microseconds from the layer's start unless named *_work_us.
+struct LayerMeasurement {
+    double cpu_work_us = -1, cpu_predicted_us = -1;    // the CPU experts' host time and its prediction
+    double gpu_work_us = -1, gpu_predicted_us = -1;    // the GPU experts' device time and its prediction
+    double link_work_us = -1, link_predicted_us = -1;  // copy time of bytes moved and its prediction
+    double cpu_end_us = -1, gpu_end_us = -1;           // when each side finished (the finish gap)
+    double layer_us = -1;                              // the layer's expert part, measured or predicted
+};
+
+class LoadBalancer {
+  public:
+    explicit LoadBalancer(LoadBalancerConfig config = {}) : config_(config) {}
+    /// Folds one layer's measurements into the corrections (when learn; the predictions must have been made with
+    /// the current corrections); adds the finish gap, and the corrections made, to `stats`.
+    void observe(const LayerMeasurement &m, LayerStats &stats, bool learn = true);
+    const CostCorrections &corrections() const { return corrections_; }
+    /// Recent expert-part time of a layer (moving average of layer_us), 0 before the first.
+    double layer_estimate_us() const { return layer_estimate_us_; }
+
+  private:
+    bool update(double &factor, double work_us, double predicted_us);
+
+    LoadBalancerConfig config_;
+    CostCorrections corrections_;
+    double layer_estimate_us_ = 0;
+};
+
+} // namespace prescope

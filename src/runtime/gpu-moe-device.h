@@ -1,0 +1,97 @@
+// The device half of the MoE block on CUDA (CUDA builds only): the grouped expert products over slot
+// pointers, the shared expert, and the combine in top-k order; it owns its buffers (expert intermediates, the
+// pair buffer, the shared expert's scratch, the per-layer step arrays and their pinned mirror, the pinned rows
+// of the CPU experts). GpuContext keeps attention, router and head, and hands it the router input per layer.
+#pragma once
+
+#include "backend/cuda/common.cuh"
+#include "backend/cuda/cuda-backend.h"
+#include "offload/expert-store.h"
+#include "runtime/hybrid-moe.h"
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+namespace prescope {
+
+/// A weight matrix on the device in its file dtype: n_out rows of n_in elements.
+struct GpuMatrix {
+    DType type = DType::F32;
+    int64_t n_in = 0, n_out = 0;
+    const void *data = nullptr;
+    bool empty() const { return data == nullptr; }
+};
+
+/// The shared expert of one layer (qwen2moe), empty matrices when the model has none.
+struct GpuSharedExpert {
+    GpuMatrix gate, up, down;
+};
+
+class CudaMoeDevice final : public MoeDevice {
+  public:
+    struct Shape {
+        int64_t n_embd = 0;
+        int64_t n_ff = 0;         // largest expert FFN of any layer
+        int64_t n_batch = 0;      // tokens per forward pass at most
+        int64_t top_k = 0;
+        int64_t n_experts = 0;
+        int64_t n_ff_shexp = 0;   // shared expert FFN, 0 = none
+    };
+    /// Device bytes the constructor allocates for `shape` (for the start-up memory check).
+    static uint64_t device_bytes_for(const Shape &shape);
+
+    /// Allocates its buffers (device; host pinned, or pageable with a warning when pinning is refused).
+    /// backend, store and the matrices outlive it; ws is the context's workspace (ops run in stream order and
+    /// share it). Throws prescope::Error when device memory runs out.
+    CudaMoeDevice(CudaBackend &backend, Stream compute, const ExpertStore &store, const Shape &shape,
+                  std::vector<GpuSharedExpert> shared, cuda::Workspace ws);
+    ~CudaMoeDevice() override;
+    CudaMoeDevice(const CudaMoeDevice &) = delete;
+    CudaMoeDevice &operator=(const CudaMoeDevice &) = delete;
+
+    /// The running layer's router input [n_tok][n_embd] and where combine writes [n_tok][n_embd], on the device.
+    void set_layer(const float *h_dev, float *out_dev) {
+        h_dev_ = h_dev;
+        out_dev_ = out_dev;
+    }
+    uint64_t device_bytes() const { return device_bytes_; }
+    uint64_t host_bytes() const { return host_bytes_; }
+    bool host_pinned() const { return pinned_ != nullptr; }
+
+    Stream compute_stream() override { return compute_; }
+    void launch_gpu(const MoeStep &s) override;
+    float *cpu_out() override { return cpu_out_host_; }
+    void combine(const MoeStep &s) override;
+
+  private:
+    void matmul(const GpuMatrix &w, const float *x, int64_t n_tok, float *y);
+    cudaStream_t stream() const { return CudaBackend::cuda_stream(compute_); }
+
+    CudaBackend &backend_;
+    Stream compute_;
+    const ExpertStore &store_;
+    Shape shape_;
+    std::vector<GpuSharedExpert> shared_;  // [n_layers]
+    cuda::Workspace ws_;
+
+    void *device_ = nullptr;  // one allocation for the buffers below
+    uint64_t device_bytes_ = 0;
+    float *gate_ = nullptr, *up_ = nullptr;  // [n_batch * top_k][n_ff] expert intermediates
+    float *pairs_ = nullptr;                 // [n_batch * top_k + n_batch][n_embd] pair outputs: GPU, CPU, shared rows
+    float *sh_gate_ = nullptr, *sh_up_ = nullptr;  // [n_batch][n_ff_shexp]
+    uint8_t *meta_dev_ = nullptr;            // per-layer step arrays (expert pointers, offsets, rows, pair ids, weights)
+    void *pinned_ = nullptr;                 // one cudaHostAlloc for the host mirrors, or null when refused:
+    std::unique_ptr<uint8_t[]> pageable_;    // then they live here
+    uint64_t host_bytes_ = 0;
+    uint8_t *meta_host_ = nullptr;
+    float *cpu_out_host_ = nullptr;          // [n_batch * top_k][n_embd]
+    uint64_t meta_bytes_ = 0;
+    size_t meta_used_ = 0;                   // end of the running layer's waves in meta_host_ / meta_dev_
+    const float *h_dev_ = nullptr;
+    float *out_dev_ = nullptr;
+    const int32_t *pair_ids_dev_ = nullptr;
+    const float *weights_dev_ = nullptr;
+};
+
+} // namespace prescope
