@@ -386,6 +386,30 @@ TEST(Cli, TraceOnAFullDiskLeavesNothingBehind) {
     EXPECT_TRUE(fs::exists(out) && fs::exists(hidden));
 }
 
+// The scheduler tools' outputs (simulate --dump-layer-states, schedule-check --json, calibrate -o) on a full disk
+// (no file may grow: ulimit -f 0) leave nothing behind either.
+TEST(Cli, SchedulerOutputsOnAFullDiskLeaveNothingBehind) {
+    const fs::path dir = tmp("sched-full");
+    fs::remove_all(dir);
+    fs::create_directories(dir);
+    const std::string trace = std::string(PRESCOPE_SOURCE_DIR) + "/traces/demo-test.pstrace";
+    const std::string states = tmp("full-states.jsonl");
+    ASSERT_EQ(run("simulate --trace " + trace + " --shape qwen3-30b-a3b --budget 1GiB -p 8 -n 2 --dump-layer-states " +
+                  states).exit_code, 0);
+    const std::string full = "ulimit -f 0; trap '' XFSZ; ";
+    for (const std::string &cmd :
+         {"simulate --trace " + trace + " --shape qwen3-30b-a3b --budget 1GiB -p 8 -n 2 --dump-layer-states " +
+              (dir / "s.jsonl").string(),
+          "schedule-check " + states + " --max-states 4 --json " + (dir / "gap.json").string(),
+          "calibrate -m " + valid_model() + " -t 1 --budget-s 0.1 -o " + (dir / "profile.json").string()}) {
+        const RunResult r = run(cmd, full);
+        EXPECT_EQ(r.exit_code, 1) << cmd << ": " << r.out;
+        EXPECT_NE(line_of(r, "error: ").find("write error: File too large"), std::string::npos) << cmd << ": " << r.out;
+        EXPECT_TRUE(fs::is_empty(dir)) << cmd << " left " << fs::directory_iterator(dir)->path();
+    }
+    fs::remove(states);
+}
+
 TEST(Cli, TrainingAndTraceFlagsOutOfRangeAreRefused) {
     const std::string trace = tmp("flags.pstrace");
     prescope::write_trace(trace, prescope::test::random_trace(4, 8, 2, {30, 30, 30, 30, 30}, 1, [](int32_t) { return 0.5f; }));
