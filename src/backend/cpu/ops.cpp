@@ -66,7 +66,8 @@ int cgroup_cpu_limit(const std::string &proc_self_cgroup, const std::string &cgr
         // "0::/path" (v2) or "N:cpu,cpuacct:/path" (v1).
         const size_t a = line.find(':'), b = a == std::string::npos ? a : line.find(':', a + 1);
         if (b == std::string::npos) continue;
-        const std::string controllers = "," + line.substr(a + 1, b - a - 1) + ",";
+        std::string controllers(1, ',');
+        controllers.append(line, a + 1, b - a - 1).push_back(',');
         const bool v2 = controllers == ",,";
         if (!v2 && controllers.find(",cpu,") == std::string::npos) continue;
         // The quota of the cgroup and of each parent applies; in a container the path may not exist below the
