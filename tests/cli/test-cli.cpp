@@ -7,13 +7,12 @@
 
 #include <array>
 #include <atomic>
-#include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <random>
 #include <sched.h>
-#include <sys/resource.h>
 #include <sys/wait.h>
 #include <thread>
 #include <unistd.h>
@@ -437,18 +436,35 @@ TEST(Cli, DivergedTrainingWritesNothing) {
     EXPECT_FALSE(fs::exists(out));
 }
 
-// Decode beside other CPU work. libgomp's default waiting spins for up to 300000 rounds after each parallel
-// region; with every CPU busy elsewhere that spinning fights the workers it waits for, and decode with the
-// default thread count fell to 0.8 tok/s where -t 1 gave 382 (issue 15). The CLI now waits passively unless
-// told otherwise. Under the same artificial load (one spinning thread per CPU we may use), the default must
-// stay within a generous factor of -t 1: a ratio of two runs on one machine, never an absolute speed
-// (decision 0102). The old setting (GOMP_SPINCOUNT=300000, libgomp's default) runs too and is printed, not
-// asserted: its collapse depends on how the scheduler places the threads and does not happen in every run.
-TEST(Cli, PassiveWaitingKeepsDecodeAliveBesideBusyCpus) {
+// libgomp reads its waiting policy before main: the CLI re-executes itself with OMP_WAIT_POLICY=PASSIVE unless
+// the user set OMP_WAIT_POLICY or GOMP_SPINCOUNT (decision 0102). --version says what the process runs with.
+TEST(Cli, WaitsPassivelyUnlessTheUserChose) {
+    const RunResult unset = run("--version", "unset OMP_WAIT_POLICY GOMP_SPINCOUNT; ");
+    EXPECT_NE(line_of(unset, "OpenMP waiting: "), "") << unset.out;
+    EXPECT_EQ(line_of(unset, "OpenMP waiting: "), "OpenMP waiting: OMP_WAIT_POLICY=PASSIVE") << unset.out;
+    const RunResult active = run("--version", "unset GOMP_SPINCOUNT; OMP_WAIT_POLICY=active; export OMP_WAIT_POLICY; ");
+    EXPECT_EQ(line_of(active, "OpenMP waiting: "), "OpenMP waiting: OMP_WAIT_POLICY=active") << active.out;
+    const RunResult spin = run("--version", "unset OMP_WAIT_POLICY; GOMP_SPINCOUNT=1000; export GOMP_SPINCOUNT; ");
+    EXPECT_EQ(line_of(spin, "OpenMP waiting: "), "OpenMP waiting: GOMP_SPINCOUNT=1000") << spin.out;
+}
+
+// The default thread count counts the CPUs of the affinity mask (taskset), not the machine's.
+TEST(Cli, DefaultThreadsFollowTheAffinityMask) {
+    if (std::system("command -v taskset > /dev/null") != 0) GTEST_SKIP() << "no taskset";
+    const RunResult r = run("--version", "taskset -c 0 ");
+    EXPECT_NE(r.out.find(", 1 threads by default"), std::string::npos) << r.out;
+}
+
+// Decode beside other CPU work (issue 15: the default thread count decoded the demo at 0.6 tok/s against 387
+// with -t 1). Under artificial load (one spinning thread per CPU we may use) the default, -t 1 and libgomp's
+// old default (GOMP_SPINCOUNT=300000) decode the same prompt; their decode rates and ratios are printed for the
+// record (decision 0102) and only the tokens are asserted: the tests assert no timings, and whether spinning
+// collapses depends on how the scheduler places the threads. Cli.WaitsPassivelyUnlessTheUserChose checks the
+// setting itself.
+TEST(Cli, DecodeBesideBusyCpusGivesTheSameTokens) {
     cpu_set_t set;
     ASSERT_EQ(sched_getaffinity(0, sizeof set, &set), 0);
     const int n_cpus = CPU_COUNT(&set);
-    if (n_cpus < 2) GTEST_SKIP() << "one CPU: the default thread count is -t 1";
     std::atomic<bool> stop{false};
     std::vector<std::thread> load;
     for (int i = 0; i < n_cpus; ++i) {
@@ -457,7 +473,7 @@ TEST(Cli, PassiveWaitingKeepsDecodeAliveBesideBusyCpus) {
             while (!stop.load(std::memory_order_relaxed)) x = x + 1;
         });
     }
-    const std::string args = "generate -m " + demo_model() + " -p 'Once upon a time' -n 16 --temp 0 ";
+    const std::string args = "generate -m " + demo_model() + " -p 'Once upon a time' -n 8 --temp 0 --verbose-prompt ";
     auto decode_rate = [](const RunResult &r) {
         const size_t p = r.out.find("| decode ");
         return p == std::string::npos ? 0.0 : std::stod(r.out.substr(p + 9));
@@ -469,8 +485,13 @@ TEST(Cli, PassiveWaitingKeepsDecodeAliveBesideBusyCpus) {
     for (auto &t : load) t.join();
     ASSERT_EQ(all.exit_code, 0) << all.out;
     ASSERT_EQ(one.exit_code, 0) << one.out;
+    const std::string ids = line_of(all, "output tokens = ");
+    EXPECT_NE(ids, "") << all.out;
+    EXPECT_EQ(line_of(one, "output tokens = "), ids) << one.out;
+    if (spinning.exit_code == 0) EXPECT_EQ(line_of(spinning, "output tokens = "), ids) << spinning.out;
     const double a = decode_rate(all), o = decode_rate(one), s = spinning.exit_code == 0 ? decode_rate(spinning) : 0.0;
-    ASSERT_GT(o, 0.0) << one.out;
-    std::printf("under load, decode tok/s: default (%d threads, passive) %.1f, -t 1 %.1f, ratio %.2f; "
-                "spinning (GOMP_SPINCOUNT=300000) %.1f, ratio to -t 1 %.3f\n", n_cpus, a, o, a / o, s, s / o);
-    EXPECT_GT(a, 0.25 * o) << "the default thread count collapses beside busy CPUs: " << a << " tok/s, -t 1 " << o;
+    std::printf("under load, decode tok/s: default (%d CPUs busy, passive waiting) %.1f, -t 1 %.1f, ratio %.2f; "
+                "spinning (GOMP_SPINCOUNT=300000) %.1f, ratio to -t 1 %.3f%s\n",
+                n_cpus, a, o, o > 0 ? a / o : 0.0, s, o > 0 ? s / o : 0.0,
+                spinning.exit_code == 0 ? "" : " (spinning run cut at 60 s)");
+}

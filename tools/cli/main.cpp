@@ -37,9 +37,15 @@ std::string version_text() {
     }
     cpu += fmt::format("(using {}), {} threads by default", prescope::cpu::cpu_isa_name(prescope::cpu::get_cpu_isa()),
                        prescope::cpu::physical_cores());
-    return fmt::format("prescope commit {}{}\nbuilt with {}, {} build, {}\n{}", b.commit,
+    // The waiting policy this process runs with (after prefer_passive_waiting), as libgomp read it.
+    const char *policy = std::getenv("OMP_WAIT_POLICY"), *spin = std::getenv("GOMP_SPINCOUNT");
+    const std::string waiting =
+        policy ? fmt::format("OpenMP waiting: OMP_WAIT_POLICY={}{}", policy, spin ? fmt::format(", GOMP_SPINCOUNT={}", spin) : "")
+        : spin ? fmt::format("OpenMP waiting: GOMP_SPINCOUNT={}", spin)
+               : std::string("OpenMP waiting: the runtime's default (libgomp: spin up to 300000 rounds, then sleep)");
+    return fmt::format("prescope commit {}{}\nbuilt with {}, {} build, {}\n{}\n{}", b.commit,
                        *b.commit_date ? fmt::format(" ({})", b.commit_date) : "", b.compiler, b.build_type,
-                       *b.cuda ? b.cuda : "without CUDA", cpu);
+                       *b.cuda ? b.cuda : "without CUDA", cpu, waiting);
 }
 
 } // namespace
