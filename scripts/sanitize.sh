@@ -11,7 +11,7 @@ if [ ! -f "$B/build.ninja" ]; then
         -DPRESCOPE_CUDA=OFF -DPRESCOPE_BUILD_BENCH=OFF \
         -DPRESCOPE_SANITIZE_ADDRESS=ON -DPRESCOPE_SANITIZE_UNDEFINED=ON > /dev/null
 fi
-ninja -C "$B"
+ninja -C "$B" -j"$(nproc)"
 export OMP_WAIT_POLICY=PASSIVE
 export ASAN_OPTIONS=detect_leaks=1:strict_string_checks=1:detect_stack_use_after_return=1
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
