@@ -10,6 +10,7 @@
 #include <fmt/format.h>
 
 #include <filesystem>
+#include <iterator>
 #include <fstream>
 
 using namespace prescope;
@@ -30,6 +31,14 @@ void gguf_seeds(const fs::path &dir) {
         if (ne.size() >= 2 && ne[0] % 32 == 0) type = 8;
     };
     test::write_tiny_model((dir / "qwen3moe-q8_0.gguf").string(), q);
+    test::TinyModelSpec mx = s;  // the other weight types with blocks of 32, in turn (K-quants need rows of 256)
+    mx.n_embd = 32, mx.n_ff = 32;
+    mx.edit = [next = size_t(0)](std::string &, std::vector<uint64_t> &ne, uint32_t &type) mutable {
+        static constexpr DType kTypes[] = {DType::Q4_0, DType::Q4_1, DType::Q5_0,   DType::Q5_1,
+                                           DType::IQ4_NL, DType::MXFP4, DType::F16, DType::BF16};
+        if (ne.size() >= 2 && ne[0] % 32 == 0) type = uint32_t(kTypes[next++ % std::size(kTypes)]);
+    };
+    test::write_tiny_model((dir / "qwen3moe-mixed.gguf").string(), mx);
     test::TinyModelSpec m = s;  // Mixtral: architecture "llama" with experts, no q/k norms
     m.arch = "llama";
     m.edit = [](std::string &name, std::vector<uint64_t> &, uint32_t &) {
