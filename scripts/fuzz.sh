@@ -7,8 +7,9 @@
 # -t: seconds per target (default 60). -j: targets run side by side (default 1). --seeds: rewrite the committed
 # seed corpora (tests/fuzz/corpus) first. TARGET: fuzz-gguf, fuzz-trace, fuzz-predictor, fuzz-config,
 # fuzz-tokenizer, fuzz-chat (default: all). Each target grows its corpus in build-fuzz/corpus/TARGET (starting
-# from the committed seeds) and writes what it finds to build-fuzz/findings/TARGET/. Prints one line per target
-# (executions, executions/s, corpus size, findings) and exits 1 when any target found something.
+# from the committed seeds and tests/fuzz/regressions/TARGET, inputs that once found a bug) and writes what it
+# finds to build-fuzz/findings/TARGET/. Prints one line per target (executions, executions/s, corpus size,
+# findings) and exits 1 when any target found something.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -21,7 +22,7 @@ while [ $# -gt 0 ]; do
         -t) seconds="$2"; shift 2 ;;
         -j) parallel="$2"; shift 2 ;;
         --seeds) seeds=1; shift ;;
-        -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
         *) targets+=("$1"); shift ;;
     esac
 done
@@ -49,10 +50,13 @@ max_len() {
 run_one() {
     local t="$1" log="$B/findings/$1.log"
     mkdir -p "$B/corpus/$t" "$B/findings/$t"
+    # Inputs that once found something (tests/fuzz/regressions) run first, with the seeds.
+    local regressions=""
+    if [ -d "tests/fuzz/regressions/$t" ]; then regressions="tests/fuzz/regressions/$t"; fi
     # One thread for OpenMP/OpenBLAS inside the target; leaks and undefined behaviour count as findings.
     OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE \
     ASAN_OPTIONS=detect_leaks=1:allocator_may_return_null=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-        "$B/fuzz/$t" "$B/corpus/$t" "tests/fuzz/corpus/$t" -max_total_time="$seconds" -max_len="$(max_len "$t")" \
+        "$B/fuzz/$t" "$B/corpus/$t" "tests/fuzz/corpus/$t" $regressions -max_total_time="$seconds" -max_len="$(max_len "$t")" \
         -timeout=20 -rss_limit_mb=4096 -print_final_stats=1 -artifact_prefix="$B/findings/$t/" > "$log" 2>&1 || true
     local execs rate units found
     execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -1)

@@ -109,8 +109,8 @@ size_t ParamSet::add(const std::string &name, std::vector<int64_t> shape, float 
         n *= d;
     }
     if (limit_ >= 0 && n > limit_ - n_values()) {
-        fail("predictor parameters: tensor {} needs {} values, more than the {} the file holds in all", name, n,
-             limit_);
+        fail("predictor parameters: tensor {} needs {} values, but the file holds {} in all and the tensors before "
+             "it take {}", name, n, limit_, n_values());
     }
     p.value.assign(size_t(n), fill);
     if (scale != 0.0f) {
@@ -250,7 +250,7 @@ ParamSet load_params(const std::string &path, nlohmann::json *config) {
                 if (!std::isfinite(v)) fail("{}: tensor {} holds {} at index {}; expected finite weights", path, name, v, j);
             }
             const size_t i = ps.add(name, shape, 0.0f, 0);
-            std::memcpy(ps[i].value.data(), data.data() + body + off, n * 4);
+            if (n > 0) std::memcpy(ps[i].value.data(), data.data() + body + off, n * 4);  // empty: no buffer to copy to
         }
         return ps;
     } catch (const nlohmann::json::exception &e) {

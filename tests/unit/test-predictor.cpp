@@ -768,6 +768,12 @@ TEST(LlaporFile, RejectsDamagedFiles) {
     const char nan_bytes[4] = {0x00, 0x00, char(0xc0), 0x7f};
     nan.replace(nan.size() - 4, 4, nan_bytes, 4);
     expect_error(nan, "tensor ws holds nan");
+    // A zero dimension (fuzz finding: an empty tensor reached memcpy with a null destination, undefined
+    // behaviour that UBSan reports): the network the config describes does not fit the file's values.
+    std::string empty = good;
+    const size_t shape = empty.find("\"shape\":[") + 9, comma = empty.find(',', shape);
+    empty.replace(shape, comma - shape, std::string(comma - shape - 1, ' ') + "0");  // same length: JSON spaces
+    expect_error(empty, "the file holds 1640 in all");
 }
 
 // Non-finite weights are never written: save refuses them and leaves no file.
