@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -422,6 +423,43 @@ TEST(Cli, TrainingAndTraceFlagsOutOfRangeAreRefused) {
     const RunResult z = run("trace -m " + valid_model() + " -i " + trace + " -o " + tmp("z.pstrace") + " --zstd-level 100");
     EXPECT_EQ(z.exit_code, 1) << z.out;
     EXPECT_NE(line_of(z, "error: ").find("--zstd-level"), std::string::npos) << z.out;
+}
+
+// Files llama.cpp refuses are refused here too, by name: tensors the architecture does not use (a shared
+// expert in a qwen3moe file, a made-up name) and a big-endian file (gguf-py --bigendian), which used to read as
+// "unsupported GGUF version 50331648".
+TEST(Cli, UnusedTensorsAndBigEndianFilesAreNamed) {
+    TinyModelSpec s;
+    s.extra = {{"blk.0.ffn_gate_shexp.weight", {32, 16}}, {"made_up.weight", {4}}};
+    const std::string unused = tmp("unused.gguf");
+    prescope::test::write_tiny_model(unused, s);
+    expect_generate_error(unused, {unused, "2 tensors that a qwen3moe model does not have",
+                                   "'blk.0.ffn_gate_shexp.weight'", "'made_up.weight'"});
+    auto b = read_bytes(valid_model());
+    const uint32_t v = __builtin_bswap32(3u);
+    std::memcpy(b.data() + 4, &v, 4);
+    const std::string big = tmp("big-endian.gguf");
+    write_bytes(big, b);
+    expect_generate_error(big, {big, "big-endian"});
+}
+
+// A predictor file with a NaN weight is refused with the tensor named, instead of scoring garbage with exit 0.
+TEST(Cli, PredictorWithNanWeightsIsRefused) {
+    const std::string trace = tmp("nan.pstrace"), pred = tmp("nan.pred");
+    prescope::write_trace(trace, prescope::test::random_trace(4, 8, 2, {30, 30, 30, 30, 30}, 1, [](int32_t) { return 0.5f; }));
+    const RunResult trained = run("train-predictor --kind llapor-lstm --trace " + trace + " --out " + pred +
+                                  " --epochs 1 --width 8");
+    ASSERT_EQ(trained.exit_code, 0) << trained.out;
+    const std::string eval = "eval-predictor --predictor " + pred + " --trace " + trace + " --split all";
+    ASSERT_EQ(run(eval).exit_code, 0);
+    auto b = read_bytes(pred);
+    const uint32_t nan_bits = 0x7fc00000u;
+    std::memcpy(b.data() + b.size() - 4, &nan_bits, 4);
+    write_bytes(pred, b);
+    const RunResult r = run(eval);
+    EXPECT_EQ(r.exit_code, 1) << r.out;
+    EXPECT_NE(line_of(r, "error: ").find(pred + ": tensor "), std::string::npos) << r.out;
+    EXPECT_NE(line_of(r, "error: ").find("holds nan"), std::string::npos) << r.out;
 }
 
 // A learning rate that makes training diverge ends with an error and writes no predictor file.
