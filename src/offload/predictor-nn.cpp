@@ -227,19 +227,26 @@ ParamSet load_params(const std::string &path, nlohmann::json *config) {
         const uint64_t body = 12 + uint64_t(hlen);
         ParamSet ps;
         for (const auto &t : h.at("tensors")) {
-            std::vector<int64_t> shape = t.at("shape").get<std::vector<int64_t>>();
             const std::string name = t.at("name").get<std::string>();
+            // Integers only: nlohmann's get<int64_t> casts a float, undefined behaviour out of range (fuzz finding).
+            const nlohmann::json &js = t.at("shape"), &jo = t.at("offset");
+            if (!js.is_array()) fail("{}: tensor {} has shape {}, expected a list of dimensions", path, name, js.dump());
             // Every count is bounded by the file before it is multiplied or allocated.
+            std::vector<int64_t> shape;
             uint64_t n = 1;
-            for (int64_t d : shape) {
-                if (d < 0) fail("{}: tensor {} has a negative dimension {}", path, name, d);
-                if (d > 0 && n > data.size() / uint64_t(d)) {
-                    fail("{}: tensor {} of shape {} holds more values than the file has bytes", path, name,
-                         t.at("shape").dump());
+            for (const auto &jd : js) {
+                if (!jd.is_number_unsigned()) {
+                    fail("{}: tensor {} has shape {}, expected non-negative integer dimensions", path, name, js.dump());
                 }
-                n *= uint64_t(d);
+                const uint64_t d = jd.get<uint64_t>();
+                if (d > 0 && n > data.size() / d) {
+                    fail("{}: tensor {} of shape {} holds more values than the file has bytes", path, name, js.dump());
+                }
+                n *= d;
+                shape.push_back(int64_t(d));
             }
-            const uint64_t off = t.at("offset").get<uint64_t>();
+            if (!jo.is_number_unsigned()) fail("{}: tensor {} has offset {}, expected a byte count", path, name, jo.dump());
+            const uint64_t off = jo.get<uint64_t>();
             if (n > data.size() || off > data.size() || body + off + n * 4 > data.size()) {
                 fail("{}: tensor {} ({} values at offset {}) runs past the end of the file", path, name, n, off);
             }

@@ -13,7 +13,9 @@
 
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <limits>
 #include <numeric>
@@ -768,12 +770,30 @@ TEST(LlaporFile, RejectsDamagedFiles) {
     const char nan_bytes[4] = {0x00, 0x00, char(0xc0), 0x7f};
     nan.replace(nan.size() - 4, 4, nan_bytes, 4);
     expect_error(nan, "tensor ws holds nan");
-    // A zero dimension (fuzz finding: an empty tensor reached memcpy with a null destination, undefined
-    // behaviour that UBSan reports): the network the config describes does not fit the file's values.
-    std::string empty = good;
-    const size_t shape = empty.find("\"shape\":[") + 9, comma = empty.find(',', shape);
-    empty.replace(shape, comma - shape, std::string(comma - shape - 1, ' ') + "0");  // same length: JSON spaces
-    expect_error(empty, "the file holds 1640 in all");
+    // The header rewritten: numbers of the wrong kind or size (fuzz findings: nlohmann's get<int64_t> casts a
+    // float, undefined behaviour out of range; an empty tensor reached memcpy with a null destination).
+    auto with_header = [&](const std::function<void(nlohmann::json &)> &edit) {
+        uint32_t hlen = 0;
+        std::memcpy(&hlen, good.data() + 8, 4);
+        nlohmann::json h = nlohmann::json::parse(good.substr(12, hlen));
+        edit(h);
+        const std::string text = h.dump();
+        const uint32_t n = uint32_t(text.size());
+        return good.substr(0, 8) + std::string(reinterpret_cast<const char *>(&n), 4) + text + good.substr(12 + hlen);
+    };
+    expect_error(with_header([](nlohmann::json &h) { h["tensors"][0]["shape"][0] = 3.44e23; }),
+                 "expected non-negative integer dimensions");
+    expect_error(with_header([](nlohmann::json &h) { h["tensors"][0]["shape"][0] = -1; }),
+                 "expected non-negative integer dimensions");
+    expect_error(with_header([](nlohmann::json &h) { h["tensors"][0]["offset"] = 0.5; }), "expected a byte count");
+    expect_error(with_header([](nlohmann::json &h) { h["config"]["n_layers"] = 1e30; }),
+                 "'n_layers' is 1e+30, expected an integer in [0, 2147483647]");
+    expect_error(with_header([](nlohmann::json &h) { h["config"]["n_experts"] = int64_t(1) << 33; }),
+                 "'n_experts' is 8589934592");
+    expect_error(with_header([](nlohmann::json &h) { h["config"]["group_start"] = {0, 2.5}; }), "'group_start' is 2.5");
+    expect_error(with_header([](nlohmann::json &h) { h["config"]["dropout"] = 1e300; }), "'dropout' is 1e+300");
+    // A zero dimension: the network the config describes does not fit the file's values.
+    expect_error(with_header([](nlohmann::json &h) { h["tensors"][0]["shape"][0] = 0; }), "the file holds 1640 in all");
 }
 
 // Non-finite weights are never written: save refuses them and leaves no file.
