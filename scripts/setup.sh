@@ -13,6 +13,7 @@ $SUDO apt-get install -y -qq --no-install-recommends \
     libcli11-dev nlohmann-json3-dev libspdlog-dev libfmt-dev libyaml-cpp-dev \
     libgtest-dev libgmock-dev libbenchmark-dev libopenblas-dev libpcre2-dev libzstd-dev \
     libnuma-dev libcpp-httplib-dev libglpk-dev libutf8proc-dev \
+    clang libclang-rt-14-dev libomp-dev \
     python3 python3-venv python3-pip
 
 if [ ! -x .venv/bin/python3 ]; then python3 -m venv .venv; fi

@@ -5,6 +5,8 @@
 
 #include <fmt/ranges.h>
 
+#include <algorithm>
+
 namespace prescope {
 
 const std::vector<ArchInfo> &arch_registry() {
@@ -32,6 +34,18 @@ std::unique_ptr<Model> Model::load(const std::string &path) {
     m->hp_.arch = arch;
     ArchLoader loader(*m);
     info->load(loader);
+    // A tensor the forward pass never reads means the file is for another model variant (or was edited):
+    // running without it would give wrong text silently. llama.cpp refuses such files too.
+    std::vector<std::string> unused;
+    for (const GgufTensorInfo &t : m->file_.tensors()) {
+        if (!loader.used(t.name)) unused.push_back(fmt::format("'{}'", t.name));
+    }
+    if (!unused.empty()) {
+        const size_t shown = std::min<size_t>(unused.size(), 5);
+        fail("{}: {} tensor{} that a {} model does not have: {}{}", path, unused.size(), unused.size() == 1 ? "" : "s",
+             arch, fmt::join(unused.begin(), unused.begin() + ptrdiff_t(shown), ", "),
+             unused.size() > shown ? fmt::format(" and {} more", unused.size() - shown) : std::string());
+    }
     return m;
 }
 
@@ -46,6 +60,11 @@ void ArchLoader::read_common_hparams() {
     hp.n_ctx_train = int64_t(f_.get_u64(a + ".context_length"));
     hp.n_embd = int64_t(f_.get_u64(a + ".embedding_length"));
     hp.n_layer = int64_t(f_.get_u64(a + ".block_count"));
+    // Each block has a dozen tensors: a count beyond the file's tensors is corrupt, not a reason to allocate.
+    if (hp.n_layer > int64_t(f_.tensors().size())) {
+        fail("{}: metadata '{}.block_count' is {}, but the file holds only {} tensors", f_.path(), a, hp.n_layer,
+             f_.tensors().size());
+    }
     hp.n_head = int64_t(f_.get_u64(a + ".attention.head_count"));
     hp.n_head_kv = int64_t(f_.get_u32_or(a + ".attention.head_count_kv", uint32_t(hp.n_head)));
     hp.rms_eps = float(f_.get_f64(a + ".attention.layer_norm_rms_epsilon"));
@@ -104,6 +123,7 @@ TensorView ArchLoader::matrix(const std::string &name, std::vector<int64_t> ne, 
         if (optional) return {};
         fail("{}: missing tensor '{}' (expected shape {})", f_.path(), name, shape_str(ne));
     }
+    used_.insert(name);
     if (!same_shape(t->ne, ne)) {
         fail("{}: tensor '{}' has shape {}, expected {}", f_.path(), name, shape_str(t->ne), shape_str(ne));
     }

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -71,7 +72,8 @@ class Model {
   public:
     /// Opens and validates a GGUF model. Throws prescope::Error naming the file and, where it applies,
     /// the tensor and the expected shape/dtype, for: unreadable or malformed files, unsupported
-    /// architectures, missing tensors, wrong shapes, unsupported dtypes.
+    /// architectures, missing tensors, wrong shapes, unsupported dtypes, and tensors the architecture
+    /// does not use (unknown names, a shared expert in a model without one).
     static std::unique_ptr<Model> load(const std::string &path);
 
     const GgufFile &file() const { return file_; }
@@ -113,10 +115,13 @@ class ArchLoader {
     void bind_attention(int64_t il);
     /// Binds the MoE block of layer il (ffn_norm, router, experts, shared expert if hp().shared_expert).
     void bind_moe(int64_t il);
+    /// Whether matrix() or vector() bound the tensor `name` (Model::load refuses files with unbound tensors).
+    bool used(const std::string &name) const { return used_.count(name) != 0; }
 
   private:
     Model &m_;
     const GgufFile &f_;
+    std::set<std::string> used_;
 };
 
 /// One supported architecture: its GGUF name and the function that fills HParams/ModelWeights.

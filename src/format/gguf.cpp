@@ -2,6 +2,7 @@
 
 #include "core/error.h"
 
+#include <algorithm>
 #include <cstring>
 #include <limits>
 
@@ -153,6 +154,12 @@ GgufFile::GgufFile(const std::string &path) : map_(path) {
     r.read<uint32_t>("magic");
     version_ = r.read<uint32_t>("version");
     if (version_ != 2 && version_ != 3) {
+        // A big-endian file (gguf-py --bigendian, s390x builds) reads as version 0x03000000 here.
+        const uint32_t swapped = __builtin_bswap32(version_);
+        if (swapped >= 1 && swapped <= 3) {
+            fail("{}: a big-endian GGUF file (version {} stored big-endian); PreScope reads little-endian files: "
+                 "convert it with gguf-py's gguf_convert_endian.py FILE little", path, swapped);
+        }
         fail("{}: unsupported GGUF version {} (expected 2 or 3)", path, version_);
     }
     const uint64_t n_tensors = r.read<uint64_t>("tensor count");
@@ -236,6 +243,20 @@ GgufFile::GgufFile(const std::string &path) : map_(path) {
                  data_offset_ + t.offset, data_offset_ + t.offset + t.n_bytes, size);
         }
         t.data = map_.data() + data_offset_ + t.offset;
+    }
+    // Two tensors sharing bytes are a corrupt (or crafted) file: writing one would change the other.
+    std::vector<const GgufTensorInfo *> by_offset;
+    by_offset.reserve(tensors_.size());
+    for (const auto &t : tensors_) by_offset.push_back(&t);
+    std::sort(by_offset.begin(), by_offset.end(),
+              [](const GgufTensorInfo *a, const GgufTensorInfo *b) { return a->offset < b->offset; });
+    for (size_t i = 1; i < by_offset.size(); ++i) {
+        const GgufTensorInfo &a = *by_offset[i - 1], &b = *by_offset[i];
+        if (a.offset + a.n_bytes > b.offset) {
+            fail("{}: tensors '{}' (data bytes [{}, {})) and '{}' ([{}, {})) overlap", path, a.name,
+                 data_offset_ + a.offset, data_offset_ + a.offset + a.n_bytes, b.name, data_offset_ + b.offset,
+                 data_offset_ + b.offset + b.n_bytes);
+        }
     }
 }
 

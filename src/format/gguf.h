@@ -46,7 +46,8 @@ struct GgufTensorInfo {
 };
 
 /// An opened GGUF file. Construction parses and validates the whole header and tensor table;
-/// any malformed or truncated part throws prescope::Error naming the file, the item and the byte
+/// any malformed or truncated part, tensor data past the end of the file or overlapping another
+/// tensor's, and big-endian files throw prescope::Error naming the file, the item and the byte
 /// offset. Tensor data stay in the mapping.
 class GgufFile {
   public:

@@ -2,6 +2,7 @@
 #include "offload/cost-model.h"
 
 #include "core/error.h"
+#include "core/output-file.h"
 #include "offload/byte-size.h"
 #include "offload/expert-store.h"
 
@@ -263,10 +264,7 @@ CostProfile CostProfile::load(const std::string &path) {
 }
 
 void CostProfile::save(const std::string &path) const {
-    std::ofstream out(path);
-    if (!out) fail("{}: cannot write the cost profile", path);
-    out << to_json().dump(1) << "\n";
-    if (!out) fail("{}: write failed", path);
+    write_file_atomic(path, to_json().dump(1) + "\n");
 }
 
 // ---------------------------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@
 
 #include "arch/arch.h"
 #include "core/error.h"
+#include "core/memory.h"
 #include "offload/byte-size.h"
 
 #include <fcntl.h>
@@ -104,6 +105,7 @@ ExpertStore::ExpertStore(const Model &model, Backend *backend, const ExpertStore
             region_bytes_[region[i]] += layouts_.back().bytes;
         }
     }
+    check_host_memory(region_bytes_[0] + region_bytes_[1], "the expert store's host copy of the experts");
     for (int r = 0; r < 2; ++r) {
         if (region_bytes_[r] == 0) continue;
         void *p = mmap(nullptr, region_bytes_[r], PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);

@@ -2,6 +2,7 @@
 #include "offload/fake-backend.h"
 
 #include "core/error.h"
+#include "core/memory.h"
 
 #include <algorithm>
 #include <cstdlib>
@@ -35,6 +36,10 @@ FakeBackend::~FakeBackend() {
 void *FakeBackend::alloc(MemoryKind kind, size_t n_bytes) {
     PRESCOPE_ASSERT(n_bytes > 0);
     std::lock_guard lock(mutex_);
+    if (allocation_failure_due()) {
+        fail("fake device: out of memory allocating {} bytes of {} memory (allocation failure injected by a test)",
+             n_bytes, kind == MemoryKind::DEVICE ? "device" : "pinned host");
+    }
     if (kind == MemoryKind::DEVICE && device_used_ + n_bytes > config_.device_bytes) {
         fail("fake device: out of memory allocating {} bytes ({} of {} bytes free)", n_bytes,
              config_.device_bytes - device_used_, config_.device_bytes);

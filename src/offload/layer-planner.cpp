@@ -6,11 +6,11 @@
 #include "offload/layer-stats.h"
 
 #include <nlohmann/json.hpp>
+#include <spdlog/spdlog.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <cmath>
-#include <cstring>
+#include <exception>
 
 namespace prescope {
 
@@ -41,13 +41,27 @@ LayerPlanner::LayerPlanner(const PlacementPlan &placement, const ExpertCache *ca
     misses_.assign(size_t(placement.n_layers), 0.0f);
     last_routed_.assign(size_t(placement.n_layers) * size_t(E), 0);
     if (!config_.dump_path.empty()) {
-        dump_ = std::fopen(config_.dump_path.c_str(), "w");
-        if (!dump_) fail("{}: cannot write the layer-state dump: {}", config_.dump_path, std::strerror(errno));
+        dump_ = std::make_unique<OutputFile>(config_.dump_path);
+        uncaught_at_start_ = std::uncaught_exceptions();
     }
 }
 
 LayerPlanner::~LayerPlanner() {
-    if (dump_) std::fclose(dump_);
+    // A planner destroyed by an exception leaves no dump; otherwise the dump is complete.
+    if (!dump_ || std::uncaught_exceptions() > uncaught_at_start_) return;
+    try {
+        finish_dump();
+    } catch (const Error &e) {
+        spdlog::error("{}", e.what());
+    }
+}
+
+void LayerPlanner::finish_dump() {
+    if (!dump_) return;
+    const std::unique_ptr<OutputFile> out = std::move(dump_);
+    out->write(dump_buffer_);
+    dump_buffer_.clear();
+    out->commit();
 }
 
 bool LayerPlanner::begin(int32_t layer, std::span<const int32_t> routed, int32_t n_tokens) {
@@ -223,8 +237,12 @@ void LayerPlanner::observe(const LayerMeasurement &m, LayerStats &stats) {
 
 void LayerPlanner::dump() {
     if (!dump_) return;
-    const std::string line = state_.to_json().dump() + "\n";
-    if (std::fputs(line.c_str(), dump_) < 0) fail("{}: writing the layer-state dump failed", config_.dump_path);
+    dump_buffer_ += state_.to_json().dump();
+    dump_buffer_ += '\n';
+    if (dump_buffer_.size() >= (size_t(1) << 16)) {
+        dump_->write(dump_buffer_);
+        dump_buffer_.clear();
+    }
 }
 
 void apply_link_state(LayerState &s, const ExpertCache &cache, const CopyEngine &engine, const CostModel &cost,

@@ -4,6 +4,7 @@
 // balancer's corrections and the optional layer-state dump.
 #pragma once
 
+#include "core/output-file.h"
 #include "offload/copy-engine.h"
 #include "offload/cost-model.h"
 #include "offload/load-balancer.h"
@@ -12,7 +13,7 @@
 #include "offload/scheduler.h"
 
 #include <cstdint>
-#include <cstdio>
+#include <memory>
 #include <span>
 #include <string>
 #include <vector>
@@ -31,13 +32,13 @@ struct PlannerConfig {
     int32_t residency_horizon = 256;     // most steps of a layer over which keeping an expert resident is valued
                                          // (fewer when the layer's slots turn over faster)
     bool balance = true;                 // apply the load balancer's corrections to the cost model
-    std::string dump_path;               // append every planned layer's state here (JSON lines), "" = off
+    std::string dump_path;               // write every planned layer's state here (JSON lines), "" = off
 };
 
 /// PRECONDITIONS: one thread; placement and cache outlive the planner. Per layer: begin() -> (the caller
 /// fills the link terms of state(): apply_link_state) -> [set_candidates()] -> plan_routed() ->
 /// [set_candidates() -> plan_prefetch()] -> observe(). Allocates nothing per layer after the constructor
-/// (the dump writes through stdio).
+/// (the dump buffers its lines).
 class LayerPlanner {
   public:
     /// cache may be null: no GPU cache, every expert on the CPU (the all-CPU plan).
@@ -46,6 +47,12 @@ class LayerPlanner {
     ~LayerPlanner();
     LayerPlanner(const LayerPlanner &) = delete;
     LayerPlanner &operator=(const LayerPlanner &) = delete;
+
+    /// Writes the rest of the layer-state dump (PlannerConfig::dump_path) and renames it into place: the dump
+    /// is an output file like any other, under a temporary name until complete (decision 0103). The destructor
+    /// does this too unless an exception is unwinding (then no dump is left behind). Errors: prescope::Error
+    /// naming the file on a failed write. Does nothing without a dump or a second time.
+    void finish_dump();
 
     /// Counts the routed experts (routed: [n_tokens * top_k] ids) and builds the layer's state. Returns true
     /// when some routed expert is not on the GPU: a decision to make, so the caller predicts first.
@@ -102,7 +109,9 @@ class LayerPlanner {
     std::vector<uint8_t> last_routed_;  // [n_layers * n_experts] routed in the layer's last step
     bool candidates_set_ = false;
     double host_us_ = 0;
-    std::FILE *dump_ = nullptr;
+    std::unique_ptr<OutputFile> dump_;  // the layer-state dump in the making, null when off or finished
+    std::string dump_buffer_;           // its lines not yet written
+    int uncaught_at_start_ = 0;         // std::uncaught_exceptions() when constructed
 };
 
 /// Fills the link terms of a state from the copy engine: chunks in flight and queued demand ahead of this

@@ -105,18 +105,21 @@ void OffloadConfig::load_yaml(const std::string &path) {
     if (root.IsNull()) return;
     if (!root.IsMap()) fail("{}: expected a mapping of key: value lines", path);
     for (const auto &kv : root) {
-        const std::string key = kv.first.as<std::string>();
+        // Keys and values must be plain scalars (YAML also allows sequences and maps as keys).
+        if (!kv.first.IsScalar()) fail("{}: expected a mapping of key: value lines, found a key that is not a name", path);
+        const std::string key = kv.first.Scalar();
         if (kv.second.IsMap() && std::find(keys().begin(), keys().end(), key) == keys().end()) {
             // A section of keys (the seed's `optimization: {...}`).
             for (const auto &inner : kv.second) {
-                const std::string k = inner.first.as<std::string>();
+                if (!inner.first.IsScalar()) fail("{}: {}: expected key: value lines, found a key that is not a name", path, key);
+                const std::string k = inner.first.Scalar();
                 if (!inner.second.IsScalar()) fail("{}: {}.{}: expected a single value", path, key, k);
-                set(k, inner.second.as<std::string>(), fmt::format("{} ({})", path, key));
+                set(k, inner.second.Scalar(), fmt::format("{} ({})", path, key));
             }
             continue;
         }
         if (!kv.second.IsScalar()) fail("{}: {}: expected a single value", path, key);
-        set(key, kv.second.as<std::string>(), path);
+        set(key, kv.second.Scalar(), path);
     }
 }
 

@@ -2,6 +2,7 @@
 #include "offload/placement.h"
 
 #include "core/error.h"
+#include "core/output-file.h"
 #include "offload/expert-cache.h"
 
 #include <fmt/format.h>
@@ -146,10 +147,7 @@ PlacementPlan PlacementPlan::load(const std::string &path) {
 }
 
 void PlacementPlan::save(const std::string &path) const {
-    std::ofstream out(path);
-    if (!out) fail("{}: cannot write placement plan", path);
-    out << to_json().dump(2) << "\n";
-    if (!out) fail("{}: write failed", path);
+    write_file_atomic(path, to_json().dump(2) + "\n");
 }
 
 // --- hybrid decision ----------------------------------------------------------------------------------------

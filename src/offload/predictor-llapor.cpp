@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 namespace prescope {
 
@@ -27,17 +28,38 @@ nlohmann::json LlaporConfig::to_json() const {
     return j;
 }
 
+namespace {
+
+// An integer of a predictor file's config within [lo, hi]. nlohmann's get<int> converts a float by a cast, which
+// is undefined behaviour out of range (fuzz finding), and narrows a wide integer silently.
+int64_t config_int(const nlohmann::json &v, const char *key, int64_t lo, int64_t hi, const std::string &what) {
+    const bool in_range = v.is_number_unsigned()  ? v.get<uint64_t>() <= uint64_t(hi) && v.get<uint64_t>() >= uint64_t(std::max<int64_t>(lo, 0))
+                          : v.is_number_integer() ? v.get<int64_t>() >= lo && v.get<int64_t>() <= hi
+                                                  : false;
+    if (!in_range) fail("{}: predictor config: '{}' is {}, expected an integer in [{}, {}]", what, key, v.dump(), lo, hi);
+    return v.get<int64_t>();
+}
+
+} // namespace
+
 LlaporConfig LlaporConfig::from_json(const nlohmann::json &j, const std::string &what) {
     LlaporConfig c;
+    constexpr int64_t kMax32 = std::numeric_limits<int32_t>::max();
+    auto int32 = [&](const char *key) { return int32_t(config_int(j.at(key), key, 0, kMax32, what)); };
     try {
         c.kind = j.at("kind").get<std::string>();
-        c.shape = {j.at("n_layers").get<int32_t>(), j.at("n_experts").get<int32_t>(), j.at("top_k").get<int32_t>()};
-        c.window = j.at("window").get<int32_t>();
-        c.group_start = j.at("group_start").get<std::vector<int32_t>>();
-        c.hidden = j.at("hidden").get<int32_t>();
-        c.dim = j.at("dim").get<int64_t>();
-        c.pca_dim = j.at("pca_dim").get<int32_t>();
-        c.dropout = j.at("dropout").get<float>();
+        c.shape = {int32("n_layers"), int32("n_experts"), int32("top_k")};
+        c.window = int32("window");
+        if (!j.at("group_start").is_array()) fail("{}: predictor config: 'group_start' must be a list", what);
+        for (const auto &g : j.at("group_start")) c.group_start.push_back(int32_t(config_int(g, "group_start", 0, kMax32, what)));
+        c.hidden = int32("hidden");
+        c.dim = config_int(j.at("dim"), "dim", 0, int64_t(1) << 40, what);
+        c.pca_dim = int32("pca_dim");
+        const nlohmann::json &dropout = j.at("dropout");
+        if (!dropout.is_number() || !(dropout.get<double>() >= 0 && dropout.get<double>() < 1)) {
+            fail("{}: predictor config: 'dropout' is {}, expected a number in [0, 1)", what, dropout.dump());
+        }
+        c.dropout = dropout.get<float>();
         if (c.has_prior()) c.drift = j.at("drift").get<std::string>(), c.correction = j.at("correction").get<bool>();
         c.notes = j.value("notes", nlohmann::json::object());
     } catch (const nlohmann::json::exception &e) {
@@ -91,7 +113,8 @@ void add_to_rows(float *table, int64_t width, const int32_t *idx, int32_t nnz, c
 // ---------------------------------------------------------------------------------------------------------
 // LSTM
 
-LlaporLstmNet::LlaporLstmNet(LlaporConfig cfg, uint64_t seed) : cfg_(std::move(cfg)) {
+LlaporLstmNet::LlaporLstmNet(LlaporConfig cfg, uint64_t seed, int64_t max_values) : cfg_(std::move(cfg)) {
+    ps_.limit_values(max_values);
     const int64_t H = cfg_.hidden, n_in = cfg_.lstm_inputs(), WE = int64_t(cfg_.window) * shape().n_experts;
     const float s = 1.0f / std::sqrt(float(H));
     for (int32_t g = 0; g < cfg_.n_groups(); ++g) {
@@ -107,7 +130,9 @@ LlaporLstmNet::LlaporLstmNet(LlaporConfig cfg, uint64_t seed) : cfg_(std::move(c
     bind();
 }
 
-LlaporLstmNet::LlaporLstmNet(LlaporConfig cfg, nn::ParamSet params) : LlaporLstmNet(std::move(cfg), 1) {
+// The shapes are checked on a network sized by the config, which may not hold more values than the file.
+LlaporLstmNet::LlaporLstmNet(LlaporConfig cfg, nn::ParamSet params)
+    : LlaporLstmNet(std::move(cfg), 1, params.n_values()) {
     check_shapes(ps_, params, "llapor-lstm");
     ps_ = std::move(params);
     bind();
@@ -212,7 +237,8 @@ void LlaporLstmNet::backward_step(int32_t layer, int64_t n, const int32_t *idx, 
 // ---------------------------------------------------------------------------------------------------------
 // MLP
 
-LlaporMlpNet::LlaporMlpNet(LlaporConfig cfg, uint64_t seed) : cfg_(std::move(cfg)) {
+LlaporMlpNet::LlaporMlpNet(LlaporConfig cfg, uint64_t seed, int64_t max_values) : cfg_(std::move(cfg)) {
+    ps_.limit_values(max_values);
     const int64_t H = cfg_.hidden, P = cfg_.pca_dim, D = cfg_.dim, L = cfg_.shape.n_layers, W = cfg_.window;
     const int64_t E = cfg_.shape.n_experts, WE = W * E;
     if (cfg_.has_mlp()) {
@@ -254,7 +280,7 @@ LlaporMlpNet::LlaporMlpNet(LlaporConfig cfg, uint64_t seed) : cfg_(std::move(cfg
     bind();
 }
 
-LlaporMlpNet::LlaporMlpNet(LlaporConfig cfg, nn::ParamSet params) : LlaporMlpNet(std::move(cfg), 1) {
+LlaporMlpNet::LlaporMlpNet(LlaporConfig cfg, nn::ParamSet params) : LlaporMlpNet(std::move(cfg), 1, params.n_values()) {
     check_shapes(ps_, params, cfg_.kind);
     ps_ = std::move(params);
     bind();
@@ -483,6 +509,12 @@ void logits_to_scores(const float *logits, int32_t layer, int32_t n_layers, int3
         const float mx = *std::max_element(z, z + n_experts);
         float sum = 0.0f;
         for (int32_t e = 0; e < n_experts; ++e) sum += row[e] = std::exp(z[e] - mx);
+        // Logits that overflowed (huge weights, a diverged file) give no scores: NaN would break the sorts
+        // downstream, and nothing is known about the row anyway.
+        if (!std::isfinite(sum) || !(sum > 0.0f)) {
+            std::fill(row, row + n_experts, 0.0f);
+            continue;
+        }
         for (int32_t e = 0; e < n_experts; ++e) row[e] /= sum;
     }
 }

@@ -56,7 +56,7 @@ struct LlaporConfig {
 /// then ws [skip_inputs()][wE].
 class LlaporLstmNet {
   public:
-    LlaporLstmNet(LlaporConfig cfg, uint64_t seed);      // random initialisation
+    LlaporLstmNet(LlaporConfig cfg, uint64_t seed, int64_t max_values = -1);  // random initialisation
     LlaporLstmNet(LlaporConfig cfg, nn::ParamSet params); // loaded (shapes checked)
     const LlaporConfig &config() const { return cfg_; }
     nn::ParamSet &params() { return ps_; }
@@ -107,7 +107,7 @@ class LlaporLstmNet {
 /// starts at the prior.
 class LlaporMlpNet {
   public:
-    LlaporMlpNet(LlaporConfig cfg, uint64_t seed);
+    LlaporMlpNet(LlaporConfig cfg, uint64_t seed, int64_t max_values = -1);  // random initialisation
     LlaporMlpNet(LlaporConfig cfg, nn::ParamSet params);
     const LlaporConfig &config() const { return cfg_; }
     nn::ParamSet &params() { return ps_; }

@@ -2,6 +2,7 @@
 #include "offload/predictor-nn.h"
 
 #include "core/error.h"
+#include "core/output-file.h"
 
 #include <cblas.h>
 
@@ -10,6 +11,7 @@
 #include <cstring>
 #include <fstream>
 #include <iterator>
+#include <limits>
 
 namespace prescope::nn {
 
@@ -100,7 +102,16 @@ size_t ParamSet::add(const std::string &name, std::vector<int64_t> shape, float 
     p.name = name;
     p.shape = std::move(shape);
     int64_t n = 1;
-    for (int64_t d : p.shape) n *= d;
+    for (int64_t d : p.shape) {
+        if (d < 0 || (d > 0 && n > std::numeric_limits<int64_t>::max() / d)) {
+            fail("predictor parameters: tensor {} has shape {}, too large", name, nlohmann::json(p.shape).dump());
+        }
+        n *= d;
+    }
+    if (limit_ >= 0 && n > limit_ - n_values()) {
+        fail("predictor parameters: tensor {} needs {} values, but the file holds {} in all and the tensors before "
+             "it take {}", name, n, limit_, n_values());
+    }
     p.value.assign(size_t(n), fill);
     if (scale != 0.0f) {
         uint64_t s = seed * 0x9E3779B97F4A7C15ull + 0x2545F4914F6CDD1Dull;
@@ -178,19 +189,24 @@ void save_params(const std::string &path, const nlohmann::json &config, const Pa
         tensors.push_back({{"name", ps[i].name}, {"shape", ps[i].shape}, {"offset", offset}});
         offset += uint64_t(ps[i].size()) * 4;
     }
+    for (size_t i = 0; i < ps.size(); ++i) {
+        const auto bad = std::find_if(ps[i].value.begin(), ps[i].value.end(), [](float v) { return !std::isfinite(v); });
+        if (bad != ps[i].value.end()) {
+            fail("{}: not written: tensor {} holds {} at index {} (training diverged?)", path, ps[i].name, *bad,
+                 bad - ps[i].value.begin());
+        }
+    }
     const std::string header =
         nlohmann::json{{"format_version", 1}, {"config", config}, {"tensors", tensors}}.dump();
-    std::ofstream out(path, std::ios::binary | std::ios::trunc);
-    if (!out) fail("{}: cannot create the predictor file", path);
+    OutputFile out(path);
     const auto hlen = uint32_t(header.size());
-    out.write(MAGIC, 8);
-    for (int b = 0; b < 4; ++b) out.put(char((hlen >> (8 * b)) & 0xff));
-    out.write(header.data(), std::streamsize(header.size()));
-    for (size_t i = 0; i < ps.size(); ++i) {
-        out.write(reinterpret_cast<const char *>(ps[i].value.data()), std::streamsize(ps[i].value.size() * 4));
-    }
-    out.close();
-    if (!out) fail("{}: write error", path);
+    char head[12];
+    std::memcpy(head, MAGIC, 8);
+    for (int b = 0; b < 4; ++b) head[8 + b] = char((hlen >> (8 * b)) & 0xff);
+    out.write(head, sizeof head);
+    out.write(header);
+    for (size_t i = 0; i < ps.size(); ++i) out.write(ps[i].value.data(), ps[i].value.size() * 4);
+    out.commit();
 }
 
 ParamSet load_params(const std::string &path, nlohmann::json *config) {
@@ -211,19 +227,37 @@ ParamSet load_params(const std::string &path, nlohmann::json *config) {
         const uint64_t body = 12 + uint64_t(hlen);
         ParamSet ps;
         for (const auto &t : h.at("tensors")) {
-            std::vector<int64_t> shape = t.at("shape").get<std::vector<int64_t>>();
+            const std::string name = t.at("name").get<std::string>();
+            // Integers only: nlohmann's get<int64_t> casts a float, undefined behaviour out of range (fuzz finding).
+            const nlohmann::json &js = t.at("shape"), &jo = t.at("offset");
+            if (!js.is_array()) fail("{}: tensor {} has shape {}, expected a list of dimensions", path, name, js.dump());
+            // Every count is bounded by the file before it is multiplied or allocated.
+            std::vector<int64_t> shape;
             uint64_t n = 1;
-            for (int64_t d : shape) {
-                if (d < 0 || d > (int64_t(1) << 32)) fail("{}: tensor {} has a bad shape", path, t.at("name").dump());
-                n *= uint64_t(d);
+            for (const auto &jd : js) {
+                if (!jd.is_number_unsigned()) {
+                    fail("{}: tensor {} has shape {}, expected non-negative integer dimensions", path, name, js.dump());
+                }
+                const uint64_t d = jd.get<uint64_t>();
+                if (d > 0 && n > data.size() / d) {
+                    fail("{}: tensor {} of shape {} holds more values than the file has bytes", path, name, js.dump());
+                }
+                n *= d;
+                shape.push_back(int64_t(d));
             }
-            const uint64_t off = t.at("offset").get<uint64_t>();
-            if (n > (uint64_t(1) << 34) || off > data.size() || body + off + n * 4 > data.size()) {
-                fail("{}: tensor {} ({} values at offset {}) runs past the end of the file", path,
-                     t.at("name").get<std::string>(), n, off);
+            if (!jo.is_number_unsigned()) fail("{}: tensor {} has offset {}, expected a byte count", path, name, jo.dump());
+            const uint64_t off = jo.get<uint64_t>();
+            if (n > data.size() || off > data.size() || body + off + n * 4 > data.size()) {
+                fail("{}: tensor {} ({} values at offset {}) runs past the end of the file", path, name, n, off);
             }
-            const size_t i = ps.add(t.at("name").get<std::string>(), shape, 0.0f, 0);
-            std::memcpy(ps[i].value.data(), data.data() + body + off, n * 4);
+            const float *values = reinterpret_cast<const float *>(data.data() + body + off);
+            for (uint64_t j = 0; j < n; ++j) {
+                float v;
+                std::memcpy(&v, values + j, 4);
+                if (!std::isfinite(v)) fail("{}: tensor {} holds {} at index {}; expected finite weights", path, name, v, j);
+            }
+            const size_t i = ps.add(name, shape, 0.0f, 0);
+            if (n > 0) std::memcpy(ps[i].value.data(), data.data() + body + off, n * 4);  // empty: no buffer to copy to
         }
         return ps;
     } catch (const nlohmann::json::exception &e) {

@@ -53,7 +53,12 @@ class ParamSet {
   public:
     /// Adds a parameter initialised uniformly in [-scale, scale] (xorshift stream from `seed`), or to
     /// `fill` when scale == 0. Returns its index; pointers stay valid until the next add().
+    /// Throws prescope::Error when the shape overflows or the set would exceed limit_values().
     size_t add(const std::string &name, std::vector<int64_t> shape, float scale, uint64_t seed, float fill = 0.0f);
+    /// At most max_values values in all (max_values < 0: no limit). A network built to check a loaded file
+    /// sets the file's count first, so a config asking for far more than the file holds fails before it
+    /// allocates.
+    void limit_values(int64_t max_values) { limit_ = max_values; }
     Param &operator[](size_t i) { return params_[i]; }
     const Param &operator[](size_t i) const { return params_[i]; }
     /// The parameter called `name`; throws prescope::Error naming it when absent.
@@ -67,6 +72,7 @@ class ParamSet {
 
   private:
     std::vector<Param> params_;
+    int64_t limit_ = -1;
 };
 
 /// Adam (Kingma & Ba 2015) with decoupled weight decay (AdamW, Loshchilov & Hutter 2019).
@@ -79,9 +85,11 @@ struct Adam {
 
 /// Predictor file: magic "PSPRED01", uint32 LE header length, JSON header {"format_version": 1, "config": ...,
 /// "tensors": [{"name", "shape", "offset"}]}, then the F32 LE values of each tensor at its byte offset.
+/// Written under a temporary name and renamed when complete; throws prescope::Error naming the file and the
+/// tensor, writing nothing, when a value is NaN or infinite.
 void save_params(const std::string &path, const nlohmann::json &config, const ParamSet &ps);
 /// Reads a predictor file written by save_params; validates magic, version, shapes and offsets against the
-/// file size. Throws prescope::Error naming the file.
+/// file size, and that every value is finite. Throws prescope::Error naming the file (and the tensor).
 ParamSet load_params(const std::string &path, nlohmann::json *config);
 
 } // namespace prescope::nn

@@ -567,6 +567,14 @@ void fit_calibration(LlaporMlpNet &net, const MlpData &data, std::span<const int
     }
 }
 
+// A NaN or infinite loss only gets worse: stop at once rather than write parameters nobody can use.
+void check_converging(int32_t epoch, double train_loss, double val_loss, float lr) {
+    if (!std::isfinite(train_loss) || !std::isfinite(val_loss)) {
+        fail("train-predictor: training diverged at epoch {} (train loss {}, validation loss {}); nothing written; "
+             "try a smaller --lr than {}", epoch, train_loss, val_loss, lr);
+    }
+}
+
 } // namespace
 
 // ---------------------------------------------------------------------------------------------------------
@@ -586,6 +594,11 @@ TrainResult train_llapor(const RoutingTrace &train, const HiddenTrace *hidden, c
         fail("--drift {}: expected none, current or previous", opt.drift);
     }
     if (!(opt.ridge >= 0.0f)) fail("--ridge {}: must be >= 0", opt.ridge);
+    if (!std::isfinite(opt.lr) || opt.lr < 0 || !std::isfinite(opt.weight_decay) || opt.weight_decay < 0 ||
+        !(opt.dropout >= 0.0f && opt.dropout < 1.0f) || opt.hidden < 0 || opt.pca_dim < 1) {
+        fail("train-predictor: --lr {} and --weight-decay {} must be finite and >= 0, --dropout {} in [0, 1), "
+             "--width {} >= 0, --pca-dim {} >= 1", opt.lr, opt.weight_decay, opt.dropout, opt.hidden, opt.pca_dim);
+    }
     const std::string loss_name = opt.loss.empty() ? (prior ? "negatives" : "khot") : opt.loss;
     const LossFn loss_fn = loss_function(loss_name);
     if (train.n_layer < 2) fail("train-predictor: the trace has {} layer(s); predicting needs at least 2", train.n_layer);
@@ -685,6 +698,7 @@ TrainResult train_llapor(const RoutingTrace &train, const HiddenTrace *hidden, c
             res.log.push_back({{"epoch", ep + 1}, {"train_loss", tl / double(nb)}, {"val_loss", vl},
                                {"val_recall_at_k_d1", vrec}, {"seconds", seconds_since(t0)}});
             if (progress) progress(res.log.back().dump());
+            check_converging(ep + 1, tl / double(nb), vl, opt.lr);
             if (vl < best) best = vl, res.params = net.params();
         }
     } else {
@@ -747,6 +761,7 @@ TrainResult train_llapor(const RoutingTrace &train, const HiddenTrace *hidden, c
                                {"val_recall_at_k", vrec}, {"seconds", seconds_since(t0)}});
             if (epoch > 0) res.log.back()["train_loss"] = train_loss;
             if (progress) progress(res.log.back().dump());
+            check_converging(epoch, train_loss, vl, opt.lr);
             // MLP-prior selects on recall@k (its loss is not the metric); LLaPor-MLP on the validation loss.
             const double crit = prior ? -mean_rec : vl;
             if (crit < best) best = crit, res.params = net.params(), res.config.notes["selected_epoch"] = epoch;

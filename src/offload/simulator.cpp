@@ -396,6 +396,7 @@ SimResult simulate(const RoutingTrace &trace, const ExpertShape &shape, const Co
     run_phase(cfg.prefill_tokens, std::max<int64_t>(cfg.prefill_tokens, 1), result.prefill);
     run_phase(cfg.decode_tokens, 1, result.decode);
     result.corrections = planner.balancer().corrections();
+    planner.finish_dump();
     return result;
 }
 

@@ -2,6 +2,8 @@
 #include "offload/trace.h"
 
 #include "core/error.h"
+#include "core/memory.h"
+#include "core/output-file.h"
 #include "runtime/context.h"
 
 #include <nlohmann/json.hpp>
@@ -13,6 +15,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <memory>
 
 namespace prescope {
 
@@ -35,53 +38,39 @@ std::string read_bytes(const std::string &path) {
     return data;
 }
 
-void write_bytes(const std::string &path, const std::string &data) {
-    std::ofstream out(path, std::ios::binary | std::ios::trunc);
-    if (!out) fail("{}: cannot create the file", path);
-    out.write(data.data(), std::streamsize(data.size()));
-    out.close();
-    if (!out) fail("{}: write error", path);
-}
-
-// Decompresses exactly one zstd frame; anything after it, a truncated frame or a corrupt one is an error.
+// Decompresses exactly one zstd frame; anything after it, a truncated frame or a corrupt one is an error. The
+// frame is inflated in pieces whatever its header claims, so a small file cannot make us allocate what its
+// header says before the data are there.
 std::string decompress_one_frame(const std::string &path, const std::string &data) {
     const size_t frame = ZSTD_findFrameCompressedSize(data.data(), data.size());
     if (ZSTD_isError(frame)) fail("{}: not a valid zstd frame ({})", path, ZSTD_getErrorName(frame));
     if (frame != data.size()) {
         fail("{}: {} bytes after the zstd frame (expected exactly one frame)", path, data.size() - frame);
     }
-    std::string raw;
     const unsigned long long size = ZSTD_getFrameContentSize(data.data(), data.size());
-    if (size != ZSTD_CONTENTSIZE_UNKNOWN && size != ZSTD_CONTENTSIZE_ERROR && size <= MAX_RAW_BYTES) {
-        raw.resize(size_t(size));
-        const size_t n = ZSTD_decompress(raw.data(), raw.size(), data.data(), data.size());
-        if (ZSTD_isError(n)) fail("{}: corrupt zstd frame ({})", path, ZSTD_getErrorName(n));
-        if (n != raw.size()) fail("{}: zstd frame holds {} bytes, its header says {}", path, n, raw.size());
-        return raw;
-    }
     if (size == ZSTD_CONTENTSIZE_ERROR) fail("{}: not a valid zstd frame", path);
-    if (size != ZSTD_CONTENTSIZE_UNKNOWN) fail("{}: zstd frame would inflate to {} bytes (too large)", path, size);
-    // Content size not in the frame header (streamed writers): decompress in pieces.
-    ZSTD_DStream *ds = ZSTD_createDStream();
+    const bool known = size != ZSTD_CONTENTSIZE_UNKNOWN;
+    if (known && size > MAX_RAW_BYTES) fail("{}: zstd frame would inflate to {} bytes (too large)", path, size);
+    if (known) check_host_memory(size, path + ": the decompressed file");
+    std::string raw;
+    raw.reserve(size_t(known ? std::min<uint64_t>(size, 16 * uint64_t(data.size()) + 4096) : 4 * data.size()));
+    std::unique_ptr<ZSTD_DStream, size_t (*)(ZSTD_DStream *)> ds(ZSTD_createDStream(), ZSTD_freeDStream);
     std::string chunk(ZSTD_DStreamOutSize(), '\0');
     ZSTD_inBuffer in{data.data(), data.size(), 0};
     size_t ret = 1;
     while (in.pos < in.size) {
         ZSTD_outBuffer out{chunk.data(), chunk.size(), 0};
-        ret = ZSTD_decompressStream(ds, &out, &in);
-        if (ZSTD_isError(ret)) {
-            ZSTD_freeDStream(ds);
-            fail("{}: corrupt zstd frame ({})", path, ZSTD_getErrorName(ret));
-        }
+        ret = ZSTD_decompressStream(ds.get(), &out, &in);
+        if (ZSTD_isError(ret)) fail("{}: corrupt zstd frame ({})", path, ZSTD_getErrorName(ret));
         raw.append(chunk.data(), out.pos);
+        if (known && raw.size() > size) fail("{}: zstd frame holds more than the {} bytes its header says", path, size);
         if (raw.size() > MAX_RAW_BYTES) {
-            ZSTD_freeDStream(ds);
             fail("{}: zstd frame inflates to more than {} bytes (too large)", path, MAX_RAW_BYTES);
         }
         if (ret == 0) break;
     }
-    ZSTD_freeDStream(ds);
     if (ret != 0) fail("{}: zstd frame is truncated", path);
+    if (known && raw.size() != size) fail("{}: zstd frame holds {} bytes, its header says {}", path, raw.size(), size);
     return raw;
 }
 
@@ -225,7 +214,7 @@ RoutingTrace read_trace(const std::string &path) {
     return t;
 }
 
-void write_trace(const std::string &path, const RoutingTrace &t, int level) {
+std::string encode_trace(const std::string &path, const RoutingTrace &t, int level) {
     const int64_t n = t.n_tokens();
     const size_t lk = size_t(t.n_layer) * size_t(t.top_k);
     if (t.n_layer < 1 || t.n_expert < 1 || t.n_expert > 256 || t.top_k < 1 || t.top_k > t.n_expert) {
@@ -265,7 +254,11 @@ void write_trace(const std::string &path, const RoutingTrace &t, int level) {
             raw.append(reinterpret_cast<const char *>(t.gates(i, l)), size_t(t.top_k));
         }
     }
-    write_bytes(path, compress(path, raw, level));
+    return compress(path, raw, level);
+}
+
+void write_trace(const std::string &path, const RoutingTrace &t, int level) {
+    write_file_atomic(path, encode_trace(path, t, level));
 }
 
 std::string hidden_path_for(const std::string &trace_path) {
@@ -378,7 +371,7 @@ HiddenTrace read_hidden(const std::string &path, const RoutingTrace *trace, cons
     return out;
 }
 
-void write_hidden(const std::string &path, const HiddenTrace &h, int level) {
+std::string encode_hidden(const std::string &path, const HiddenTrace &h, int level) {
     const int64_t n = h.n_tokens();
     int64_t covered = 0;
     json ranges = json::array();
@@ -399,7 +392,11 @@ void write_hidden(const std::string &path, const HiddenTrace &h, int level) {
         raw.append(reinterpret_cast<const char *>(&h.scale[i]), 4);
         raw.append(reinterpret_cast<const char *>(h.q.data() + i * size_t(h.dim)), size_t(h.dim));
     }
-    write_bytes(path, compress(path, raw, level));
+    return compress(path, raw, level);
+}
+
+void write_hidden(const std::string &path, const HiddenTrace &h, int level) {
+    write_file_atomic(path, encode_hidden(path, h, level));
 }
 
 // ---------------------------------------------------------------------------------------------------------

@@ -56,9 +56,13 @@ struct RoutingTrace {
 /// counts summing to n_tokens, body length = n_tokens x (4 + n_layer x 2 x top_k), every id < n_expert.
 /// Throws prescope::Error "PATH: what is wrong" on any violation or I/O error.
 RoutingTrace read_trace(const std::string &path);
-/// Writes `t` as one zstd frame (compression level 1..19). Throws prescope::Error naming the file when the
-/// arrays disagree with the header fields, an id is >= n_expert, or the file cannot be written.
+/// Writes `t` as one zstd frame (compression level 1..19) under a temporary name, renamed to `path` when
+/// complete (core/output-file.h). Throws prescope::Error naming the file when the arrays disagree with the
+/// header fields, an id is >= n_expert, or the file cannot be written (nothing is left behind then).
 void write_trace(const std::string &path, const RoutingTrace &t, int level = 12);
+/// The bytes write_trace writes; `path` only names the file in errors. For writers of several files that
+/// commit them together (prescope trace: the trace and its sidecar).
+std::string encode_trace(const std::string &path, const RoutingTrace &t, int level = 12);
 
 /// A decoded hidden-state sidecar: for each covered token (in token_ranges order) and layer, the input of the
 /// layer's router (post-attention RMSNorm output) as int8 with one F32 absmax scale: x = q * scale.
@@ -89,7 +93,10 @@ void quantize_int8_absmax(const float *x, int64_t dim, float *scale, int8_t *q);
 /// same shape would otherwise pair hidden states with the wrong tokens. Throws prescope::Error naming the file.
 HiddenTrace read_hidden(const std::string &path, const RoutingTrace *trace = nullptr,
                         const std::string &trace_path = {});
+/// Writes a sidecar as write_trace writes a trace (temporary name, then rename).
 void write_hidden(const std::string &path, const HiddenTrace &h, int level = 12);
+/// The bytes write_hidden writes.
+std::string encode_hidden(const std::string &path, const HiddenTrace &h, int level = 12);
 
 /// The sidecar path that belongs to a trace path: NAME.pstrace -> NAME.hidden.zst.
 std::string hidden_path_for(const std::string &trace_path);

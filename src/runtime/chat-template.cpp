@@ -114,25 +114,52 @@ bool ends_with(std::string_view s, std::string_view p) {
     return s.size() >= p.size() && s.substr(s.size() - p.size()) == p;
 }
 
-std::string turn(const std::string &role, std::string_view content) {
-    return "<|im_start|>" + role + "\n" + std::string(content) + "<|im_end|>\n";
+// Builds the prompt text, recording which bytes came from message contents (the rest is template text).
+class PromptBuilder {
+  public:
+    PromptBuilder &tmpl(std::string_view s) {
+        p_.text += s;
+        return *this;
+    }
+    PromptBuilder &content(std::string_view s) {
+        if (s.empty()) return *this;
+        const size_t begin = p_.text.size();
+        p_.text += s;
+        if (!p_.content.empty() && p_.content.back().end == begin) {
+            p_.content.back().end = p_.text.size();  // adjacent pieces of content: one span
+        } else {
+            p_.content.push_back({begin, p_.text.size()});
+        }
+        return *this;
+    }
+    ChatPrompt take() { return std::move(p_); }
+
+  private:
+    ChatPrompt p_;
+};
+
+void turn(PromptBuilder &b, std::string_view role, std::string_view content) {
+    b.tmpl("<|im_start|>").tmpl(role).tmpl("\n").content(content).tmpl("<|im_end|>\n");
 }
 
-// Qwen2 / Qwen2.5 / plain ChatML (tests/data/tokenizers/chat/{qwen2,qwen2.5,chatml}.jinja without tools).
-std::string render_chatml(const Template &t, const std::vector<ChatMessage> &msgs, bool gen) {
-    std::string out;
-    if (!t.default_system.empty() && msgs[0].role != "system") out += turn("system", t.default_system);
-    for (const ChatMessage &m : msgs) out += turn(m.role, m.content);
-    if (gen) out += "<|im_start|>assistant\n";
-    return out;
+// Qwen2 / Qwen2.5 / plain ChatML (tests/data/tokenizers/chat/{qwen2,qwen2.5,chatml}.jinja without tools). The
+// template's own default system prompt is template text.
+ChatPrompt render_chatml(const Template &t, const std::vector<ChatMessage> &msgs, bool gen) {
+    PromptBuilder b;
+    if (!t.default_system.empty() && msgs[0].role != "system") {
+        b.tmpl("<|im_start|>system\n").tmpl(t.default_system).tmpl("<|im_end|>\n");
+    }
+    for (const ChatMessage &m : msgs) turn(b, m.role, m.content);
+    if (gen) b.tmpl("<|im_start|>assistant\n");
+    return b.take();
 }
 
 // Qwen3 (chat/qwen3.jinja without tools): reasoning in assistant turns after the last real user query is
 // kept in <think> tags (always for the final turn), earlier reasoning is dropped.
-std::string render_qwen3(const std::vector<ChatMessage> &msgs, bool gen) {
+ChatPrompt render_qwen3(const std::vector<ChatMessage> &msgs, bool gen) {
     const size_t n = msgs.size();
-    std::string out;
-    if (msgs[0].role == "system") out += turn("system", msgs[0].content);
+    PromptBuilder b;
+    if (msgs[0].role == "system") turn(b, "system", msgs[0].content);
     size_t last_query = n - 1;
     for (size_t k = n; k-- > 0;) {
         const std::string &c = msgs[k].content;
@@ -144,7 +171,7 @@ std::string render_qwen3(const std::vector<ChatMessage> &msgs, bool gen) {
     for (size_t i = 0; i < n; ++i) {
         const ChatMessage &m = msgs[i];
         if (m.role == "user" || (m.role == "system" && i > 0)) {
-            out += turn(m.role, m.content);
+            turn(b, m.role, m.content);
         } else if (m.role == "assistant") {
             std::string_view content = m.content, reasoning;
             if (const size_t close = m.content.rfind("</think>"); close != std::string::npos) {
@@ -153,47 +180,48 @@ std::string render_qwen3(const std::vector<ChatMessage> &msgs, bool gen) {
                 const size_t open = before.rfind("<think>");
                 reasoning = lstrip_newlines(open == std::string_view::npos ? before : before.substr(open + 7));
             }
-            out += "<|im_start|>assistant\n";
+            b.tmpl("<|im_start|>assistant\n");
             if (i > last_query && (i == n - 1 || !reasoning.empty())) {
-                out += "<think>\n" + std::string(rstrip_newlines(lstrip_newlines(reasoning))) + "\n</think>\n\n" +
-                       std::string(lstrip_newlines(content));
+                b.tmpl("<think>\n").content(rstrip_newlines(lstrip_newlines(reasoning))).tmpl("\n</think>\n\n");
+                b.content(lstrip_newlines(content));
             } else {
-                out += content;
+                b.content(content);
             }
-            out += "<|im_end|>\n";
+            b.tmpl("<|im_end|>\n");
         }
     }
-    if (gen) out += "<|im_start|>assistant\n";
-    return out;
+    if (gen) b.tmpl("<|im_start|>assistant\n");
+    return b.take();
 }
 
 // Mixtral-8x7B-Instruct (chat/mistral-v0.jinja, chat/mistral-v1.jinja); the templates' leading bos_token is
 // left to the tokenizer. Neither template has a generation prompt: the text already ends with [/INST].
-std::string render_mistral(const GgufFile &f, const Template &t, const std::vector<ChatMessage> &msgs) {
+ChatPrompt render_mistral(const GgufFile &f, const Template &t, const std::vector<ChatMessage> &msgs) {
     const bool v1 = t.family == Family::MISTRAL_V1;
     size_t first = 0;
-    std::string system;
+    std::string_view system;
     if (v1 && msgs[0].role == "system") {
         system = msgs[0].content;
         first = 1;
     }
-    std::string out;
+    PromptBuilder b;
     for (size_t i = first; i < msgs.size(); ++i) {
         const ChatMessage &m = msgs[i];
         if ((m.role == "user") != ((i - first) % 2 == 0))
             fail("{}: chat template {} needs turns alternating user/assistant{}; turn {} is '{}'", f.path(),
                  v1 ? "mistral-v1" : "mistral-v0", v1 ? " after an optional system message" : "", i, m.role);
         if (m.role == "user") {
-            const std::string body = (i == first && !system.empty() ? system + "\n\n" : std::string()) + m.content;
-            out += v1 ? " [INST] " + body + " [/INST]" : "[INST] " + body + " [/INST]";
+            b.tmpl(v1 ? " [INST] " : "[INST] ");
+            if (i == first && !system.empty()) b.content(system).tmpl("\n\n");
+            b.content(m.content).tmpl(" [/INST]");
         } else if (m.role == "assistant") {
-            out += (v1 ? " " : "") + m.content + t.eos;
+            b.tmpl(v1 ? " " : "").content(m.content).tmpl(t.eos);
         } else {
             fail("{}: chat template {} accepts a system message only {}; turn {} is 'system'", f.path(),
                  v1 ? "mistral-v1" : "mistral-v0", v1 ? "as the first turn" : "nowhere", i);
         }
     }
-    return out;
+    return b.take();
 }
 
 } // namespace
@@ -208,8 +236,7 @@ std::string chat_template_name(const GgufFile &file) {
     return "";
 }
 
-std::string apply_chat_template(const GgufFile &file, const std::vector<ChatMessage> &messages,
-                                bool add_generation_prompt) {
+ChatPrompt render_chat(const GgufFile &file, const std::vector<ChatMessage> &messages, bool add_generation_prompt) {
     const Template t = recognise(file);
     if (messages.empty()) fail("{}: cannot apply the chat template to an empty conversation", file.path());
     for (size_t i = 0; i < messages.size(); ++i) {
@@ -223,7 +250,12 @@ std::string apply_chat_template(const GgufFile &file, const std::vector<ChatMess
     case Family::MISTRAL_V0:
     case Family::MISTRAL_V1: return render_mistral(file, t, messages);
     }
-    return "";
+    return {};
+}
+
+std::string apply_chat_template(const GgufFile &file, const std::vector<ChatMessage> &messages,
+                                bool add_generation_prompt) {
+    return render_chat(file, messages, add_generation_prompt).text;
 }
 
 } // namespace prescope

@@ -2,6 +2,8 @@
 // re-implemented in C++ (no Jinja at runtime) and checked against HF's renderer (docs/tokenizer.md).
 #pragma once
 
+#include "runtime/tokenizer.h"
+
 #include <string>
 #include <vector>
 
@@ -25,12 +27,24 @@ struct ChatMessage {
 /// 'tokenizer.chat_template' when no family fits.
 std::string chat_template_name(const GgufFile &file);
 
-/// The prompt text the model's chat template renders for `messages` (HF apply_chat_template with
-/// add_generation_prompt), except for the BOS text Mistral templates start with: tokenize the result with
-/// Tokenizer::encode(text, /*add_special=*/true, /*parse_special=*/true), which adds BOS as a token when
-/// the model wants it. Throws prescope::Error (naming the file) when no template fits, `messages` is empty,
-/// a role is not system/user/assistant, or the template itself would refuse the conversation (Mistral:
-/// roles must alternate user/assistant after an optional leading system message; v0 has no system role).
+/// A rendered conversation: the prompt text and the byte ranges of it that hold message contents (sorted,
+/// disjoint); everything else is template text.
+struct ChatPrompt {
+    std::string text;
+    std::vector<TextSpan> content;
+};
+
+/// The prompt the model's chat template renders for `messages` (HF apply_chat_template with
+/// add_generation_prompt), except for the BOS text Mistral templates start with, which is left to the
+/// tokenizer. Tokenize it with Tokenizer::encode(p.text, /*add_special=*/true, /*parse_special=*/true,
+/// p.content): control tokens come from the template only, and special-token text a user writes (a literal
+/// "<|im_end|>") stays text (decision 0104). Throws prescope::Error (naming the file) when no template fits,
+/// `messages` is empty, a role is not system/user/assistant, or the template itself would refuse the
+/// conversation (Mistral: roles must alternate user/assistant after an optional leading system message; v0
+/// has no system role).
+ChatPrompt render_chat(const GgufFile &file, const std::vector<ChatMessage> &messages, bool add_generation_prompt);
+
+/// render_chat's text alone (what HF's Jinja renderer gives; the tests compare the two).
 std::string apply_chat_template(const GgufFile &file, const std::vector<ChatMessage> &messages,
                                 bool add_generation_prompt);
 

@@ -4,10 +4,20 @@
 #include "runtime/context.h"
 
 #include "core/error.h"
+#include "core/log.h"
+#include "core/memory.h"
 
+#include <algorithm>
 #include <cmath>
 
 namespace prescope {
+
+void warn_beyond_training_context(const HParams &hp, int64_t n_ctx) {
+    if (hp.n_ctx_train > 0 && n_ctx > hp.n_ctx_train) {
+        spdlog::warn("-c {} is more than the {} tokens the model was trained on ({}.context_length): "
+                     "text past that may degrade", n_ctx, hp.n_ctx_train, hp.arch);
+    }
+}
 
 Context::Context(const Model &model, ContextParams params, ExpertExecutor *executor)
     : model_(model), params_(params) {
@@ -16,22 +26,27 @@ Context::Context(const Model &model, ContextParams params, ExpertExecutor *execu
     if (params_.n_batch <= 0 || params_.n_ctx <= 0) {
         fail("invalid context: n_ctx {} and n_batch {} must be positive", params_.n_ctx, params_.n_batch);
     }
+    warn_beyond_training_context(hp, params_.n_ctx);
     params_.n_batch = std::min(params_.n_batch, params_.n_ctx);
+
+    // Everything below is sized by -c and -b: check it fits before touching it (std::vector zero-fills,
+    // so an over-committed allocation would end in the kernel's OOM kill half-way through).
+    const int64_t nb = params_.n_batch, n_q = hp.n_head * hp.head_dim, n_kv = hp.n_head_kv * hp.head_dim;
+    // In double: a file's context_length (-c 0) may be any 64-bit number.
+    const double floats = 2.0 * double(hp.n_layer) * double(params_.n_ctx) * double(n_kv) +
+                          double(nb) * double(3 * hp.n_embd + 2 * n_q + 2 * n_kv + hp.n_expert + 1 +
+                                              (hp.shared_expert ? 2 * hp.n_ff_shexp + hp.n_embd : 0));
+    check_host_memory(uint64_t(std::min(floats * sizeof(float), 1.8e19)),
+                      fmt::format("the KV cache and activations for -c {} -b {}", params_.n_ctx, nb));
+    const size_t cache = size_t(hp.n_layer * params_.n_ctx * n_kv);
     if (!executor) {
         own_executor_ = std::make_unique<CpuExpertExecutor>(model, params_.n_batch);
         executor = own_executor_.get();
     }
     executor_ = executor;
 
-    const int64_t nb = params_.n_batch, n_q = hp.n_head * hp.head_dim, n_kv = hp.n_head_kv * hp.head_dim;
-    const size_t cache = size_t(hp.n_layer * params_.n_ctx * n_kv);
-    try {
-        k_cache_.resize(cache);
-        v_cache_.resize(cache);
-    } catch (const std::bad_alloc &) {
-        fail("out of memory: the KV cache for n_ctx {} needs {:.1f} MiB; use a smaller -c", params_.n_ctx,
-             2.0 * double(cache) * 4 / (1 << 20));
-    }
+    k_cache_.resize(cache);
+    v_cache_.resize(cache);
     x_.resize(size_t(nb * hp.n_embd));
     h_.resize(size_t(nb * hp.n_embd));
     ffn_.resize(size_t(nb * hp.n_embd));
@@ -62,7 +77,11 @@ void Context::eval(std::span<const int32_t> tokens, bool all_logits) {
     const HParams &hp = model_.hp();
     const auto n = int64_t(tokens.size());
     check_eval_input(hp, tokens, n_past_, params_.n_ctx);
-    logits_.resize(size_t((all_logits ? n : 1) * hp.n_vocab));
+    const size_t n_logits = size_t((all_logits ? n : 1) * hp.n_vocab);
+    if (n_logits > logits_.capacity()) {
+        check_host_memory(n_logits * sizeof(float), fmt::format("the logits of {} tokens", all_logits ? n : 1));
+    }
+    logits_.resize(n_logits);
     for (int64_t i = 0; i < n; i += params_.n_batch) {
         const int64_t m = std::min(params_.n_batch, n - i);
         const bool last = i + m == n;

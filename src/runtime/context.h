@@ -22,10 +22,15 @@ struct ContextParams {
 /// fitting the context (n_past + tokens.size() <= n_ctx). Throws prescope::Error saying which failed.
 void check_eval_input(const HParams &hp, std::span<const int32_t> tokens, int64_t n_past, int64_t n_ctx);
 
+/// Warns (llama.cpp does the same) when n_ctx exceeds the model's training context (hp.n_ctx_train).
+void warn_beyond_training_context(const HParams &hp, int64_t n_ctx);
+
 /// One sequence's state. Buffers are allocated once here; eval() allocates nothing per token.
 class Context {
   public:
-    /// executor: runs the routed experts; nullptr uses a CpuExpertExecutor owned by the context.
+    /// executor: runs the routed experts; nullptr uses a CpuExpertExecutor owned by the context. Throws
+    /// prescope::Error "out of memory: the KV cache and activations for -c N -b M need ... bytes, ... available"
+    /// before allocating when they do not fit the host memory left (core/memory.h).
     Context(const Model &model, ContextParams params, ExpertExecutor *executor = nullptr);
 
     /// Evaluates tokens at positions n_past() .. n_past() + n - 1 and appends them to the KV cache.

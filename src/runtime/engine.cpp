@@ -69,6 +69,7 @@ std::unique_ptr<Predictor> make_predictor(const OffloadConfig &config, const Mod
 std::unique_ptr<Engine> make_engine(const Model &model, ContextParams params, const OffloadConfig &config) {
     if (!config.gpu) return std::make_unique<CpuEngine>(model, params, config);
 #ifdef PRESCOPE_USE_CUDA
+    warn_beyond_training_context(model.hp(), params.n_ctx > 0 ? params.n_ctx : model.hp().n_ctx_train);
     return std::make_unique<GpuContext>(model, params, config);
 #else
     fail("--gpu-expert-budget (gpu_cache) needs the CUDA backend, but this prescope was built without it "

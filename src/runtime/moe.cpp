@@ -2,6 +2,7 @@
 #include "runtime/moe.h"
 
 #include "core/error.h"
+#include "core/memory.h"
 #include "runtime/hybrid-moe.h"
 
 #include <algorithm>
@@ -46,6 +47,8 @@ void cpu_expert_ffn(const TensorView &gate, const TensorView &up, const TensorVi
 
 CpuExpertRunner::CpuExpertRunner(int64_t n_embd, int64_t max_n_ff, int64_t max_pairs)
     : n_embd_(n_embd), max_n_ff_(max_n_ff), max_pairs_(max_pairs) {
+    check_host_memory(size_t(max_pairs) * sizeof(float) * size_t(n_embd + 2 * max_n_ff),
+                      fmt::format("the CPU expert buffers for {} (token, expert) pairs per batch (-b)", max_pairs));
     xg_.resize(size_t(max_pairs * n_embd));
     gate_.resize(size_t(max_pairs * max_n_ff));
     up_.resize(size_t(max_pairs * max_n_ff));

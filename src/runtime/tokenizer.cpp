@@ -12,6 +12,7 @@
 #include <array>
 #include <cstdlib>
 #include <limits>
+#include <tuple>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -539,20 +540,56 @@ Tokenizer Tokenizer::from_gguf(const GgufFile &f) {
 // ---- encoding -----------------------------------------------------------------------------------------
 
 std::vector<int32_t> Tokenizer::encode(std::string_view raw, bool add_special, bool parse_special) const {
+    return encode(raw, add_special, parse_special, {});
+}
+
+std::vector<int32_t> Tokenizer::encode(std::string_view raw, bool add_special, bool parse_special,
+                                       std::span<const TextSpan> literal) const {
     const Impl &t = *impl_;
-    const std::string text = sanitize_utf8(raw);
+    // Invalid UTF-8 is replaced piece by piece, so that the literal spans keep pointing at their text.
+    std::string text;
+    std::vector<TextSpan> spans;
+    if (literal.empty()) {
+        text = sanitize_utf8(raw);
+    } else {
+        size_t pos = 0;
+        for (const TextSpan &sp : literal) {
+            if (sp.begin < pos || sp.end < sp.begin || sp.end > raw.size()) {
+                fail("tokenizer: literal span [{}, {}) is out of order or outside the text of {} bytes", sp.begin,
+                     sp.end, raw.size());
+            }
+            text += sanitize_utf8(raw.substr(pos, sp.begin - pos));
+            const size_t begin = text.size();
+            text += sanitize_utf8(raw.substr(sp.begin, sp.end - sp.begin));
+            spans.push_back({begin, text.size()});
+            pos = sp.end;
+        }
+        text += sanitize_utf8(raw.substr(pos));
+    }
     std::vector<int32_t> out;
     out.reserve(text.size() / 3 + 2);
     if (add_special && t.add_bos) out.push_back(t.bos);
 
-    const auto allow = [&](int32_t id) {
-        return parse_special || t.types[size_t(id)] == TokenType::USER_DEFINED;
+    const auto user_defined = [&](int32_t id) { return t.types[size_t(id)] == TokenType::USER_DEFINED; };
+    const auto allow = [&](int32_t id) { return parse_special || user_defined(id); };
+    // Whether [a, b) overlaps a literal span; `next` walks the sorted spans along with the text position.
+    size_t next = 0;
+    const auto overlaps_literal = [&](size_t a, size_t b) {
+        while (next < spans.size() && spans[next].end <= a) ++next;
+        for (size_t k = next; k < spans.size() && spans[k].begin < b; ++k) {
+            if (spans[k].end > a && spans[k].begin < spans[k].end) return true;
+        }
+        return false;
     };
     Impl::Scratch scratch;
     bool after_special = true;  // SentencePiece prefixes a space at the start and after each special token
     size_t run_start = 0;
     for (size_t i = 0; i < text.size();) {
-        const auto [id, len] = t.specials.longest(text, i, allow);
+        auto [id, len] = t.specials.longest(text, i, allow);
+        // Inside literal text only user-defined tokens match (as parse_special = false would).
+        if (id >= 0 && !user_defined(id) && !spans.empty() && overlaps_literal(i, i + len)) {
+            std::tie(id, len) = t.specials.longest(text, i, user_defined);
+        }
         if (id < 0) {
             ++i;
             continue;

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -11,6 +12,12 @@
 namespace prescope {
 
 class GgufFile;
+
+/// A byte range [begin, end) of a text.
+struct TextSpan {
+    size_t begin = 0;
+    size_t end = 0;
+};
 
 /// Token kinds stored in tokenizer.ggml.token_type (llama.cpp enum llama_token_type, gguf-py TokenType).
 enum class TokenType : int32_t {
@@ -42,6 +49,12 @@ class Tokenizer {
     /// tokens written in the text (e.g. "<|im_start|>") become their ids; user-defined tokens always do
     /// (llama.cpp tokenizer_st_partition; matching is leftmost-longest like HF added tokens).
     std::vector<int32_t> encode(std::string_view text, bool add_special, bool parse_special) const;
+    /// The same, except that special tokens overlapping a `literal` span are not recognised: there the text is
+    /// tokenised as with parse_special = false (user-defined tokens still match). For chat prompts, whose
+    /// message contents must stay text (chat-template.h, render_chat). Spans: byte ranges of `text`, sorted and
+    /// disjoint; throws prescope::Error otherwise. Without spans, identical to the overload above.
+    std::vector<int32_t> encode(std::string_view text, bool add_special, bool parse_special,
+                                std::span<const TextSpan> literal) const;
 
     /// The bytes one token stands for: byte-level decoded (gpt2), U+2581 -> space and <0xXX> -> byte
     /// (llama); control, unknown and user-defined tokens give their text, unused tokens "". A piece may be
@@ -50,7 +63,8 @@ class Tokenizer {
 
     /// Concatenated pieces. For llama models the space that encode() prepends to each text run (at the
     /// start and after each special token) is removed again, so decode(encode(t, ...)) == t (NFC(t) for
-    /// qwen2, U+FFFD for invalid input bytes). Throws Error for ids outside the vocabulary.
+    /// qwen2, U+FFFD for invalid input bytes; for llama models a U+2581 in t comes back as a space, since
+    /// SentencePiece writes spaces as U+2581). Throws Error for ids outside the vocabulary.
     std::string decode(const std::vector<int32_t> &ids) const;
 
     int32_t n_vocab() const;

@@ -21,6 +21,8 @@ struct TinyModelSpec {
     std::function<void(std::string &name, std::vector<uint64_t> &ne, uint32_t &type)> edit;
     /// Write such tensors as F32 holding their dequantized values: the same model in F32.
     bool dequantize = false;
+    /// Tensors written after the model's own (F32, random), e.g. ones the architecture does not use.
+    std::vector<std::pair<std::string, std::vector<uint64_t>>> extra;
 };
 
 /// Writes the model to `path`; weights ~ N(0, 0.5), norms 1. Vocabulary: byte-level BPE over the
@@ -116,6 +118,7 @@ inline void write_tiny_model(const std::string &path, const TinyModelSpec &s) {
         add(p + "ffn_up_exps.weight", {s.n_embd, s.n_ff, s.n_expert}, false);
         add(p + "ffn_down_exps.weight", {s.n_ff, s.n_embd, s.n_expert}, false);
     }
+    for (const auto &[name, ne] : s.extra) add(name, ne, false);
     w.write(path);
 }
 

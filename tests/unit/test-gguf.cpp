@@ -157,6 +157,30 @@ TEST(Gguf, RejectsBadMagicAndVersion) {
     expect_error({}, "empty", "bad magic");
 }
 
+// gguf-py --bigendian files (for s390x) read as version 0x03000000: name the byte order, not a version.
+TEST(Gguf, NamesBigEndianFiles) {
+    for (uint32_t v : {2u, 3u}) {
+        auto c = valid_writer().bytes();
+        const uint32_t swapped = __builtin_bswap32(v);
+        std::memcpy(c.data() + 4, &swapped, 4);
+        expect_error(c, "big-endian" + std::to_string(v), "a big-endian GGUF file (version " + std::to_string(v));
+    }
+}
+
+TEST(Gguf, RejectsOverlappingTensorData) {
+    GgufWriter w;
+    w.tensor("first", 0, {8}, f32_bytes({1, 2, 3, 4, 5, 6, 7, 8}));
+    w.tensor("second", 0, {4}, f32_bytes({1, 2, 3, 4}), /*offset=*/0);  // the bytes of "first"
+    expect_error(w.bytes(), "overlap", "tensors 'first' (data bytes [");
+    expect_error(w.bytes(), "overlap2", "and 'second'");
+    GgufWriter ok;  // touching but not overlapping is fine
+    ok.tensor("a", 0, {8}, f32_bytes({1, 2, 3, 4, 5, 6, 7, 8}));
+    ok.tensor("b", 0, {8}, f32_bytes({1, 2, 3, 4, 5, 6, 7, 8}));
+    const std::string p = tmp_path("adjacent");
+    GgufWriter::write_bytes(p, ok.bytes());
+    EXPECT_NO_THROW(GgufFile f(p));
+}
+
 TEST(Gguf, EveryTruncationIsAnError) {
     const auto full = valid_writer().bytes();
     for (size_t n = 0; n < full.size(); ++n) {

@@ -8,7 +8,10 @@
 #include <unistd.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <fstream>
 #include <filesystem>
 
 using prescope::Error;
@@ -153,4 +156,43 @@ TEST(ModelLoad, EvalRejectsOverflowAndBadTokens) {
     EXPECT_THROW(ctx.eval(nine), Error);
     const std::vector<int32_t> bad = {int32_t(m->hp().n_vocab)};
     EXPECT_THROW(ctx.eval(bad), Error);
+}
+
+// llama.cpp refuses files with tensors its architecture does not create ("wrong number of tensors"); so do
+// we, naming them: a shared expert in a qwen3moe file would otherwise be ignored in silence.
+TEST(ModelLoad, UnusedTensorsAreRefusedByName) {
+    TinyModelSpec s;
+    s.extra = {{"blk.0.ffn_gate_shexp.weight", {32, 16}}, {"blk.0.ffn_up_shexp.weight", {32, 16}},
+               {"made_up.weight", {4}}};
+    expect_load_error("unused", s, {"3 tensors that a qwen3moe model does not have", "'blk.0.ffn_gate_shexp.weight'",
+                                    "'blk.0.ffn_up_shexp.weight'", "'made_up.weight'"});
+    TinyModelSpec many;
+    for (int i = 0; i < 7; ++i) many.extra.push_back({"x" + std::to_string(i), {2}});
+    expect_load_error("unused-many", many, {"7 tensors", "'x0'", "and 2 more"});
+}
+
+// A block count the file cannot hold is corrupt metadata, not a request to allocate 2^32 layers.
+TEST(ModelLoad, ImplausibleBlockCountIsRefused) {
+    // write_tiny_model writes n_layer blocks: write two and patch the count.
+    const std::string p = write("blocks", {});
+    std::vector<char> b;
+    {
+        std::ifstream in(p, std::ios::binary);
+        b.assign(std::istreambuf_iterator<char>(in), {});
+    }
+    const std::string key = "qwen3moe.block_count";
+    const auto it = std::search(b.begin(), b.end(), key.begin(), key.end());
+    ASSERT_NE(it, b.end());
+    const size_t value = size_t(it - b.begin()) + key.size() + 4;  // after the key and its uint32 type
+    const uint32_t huge = 4294967295u;
+    std::memcpy(b.data() + value, &huge, 4);
+    std::ofstream(p, std::ios::binary | std::ios::trunc).write(b.data(), std::streamsize(b.size()));
+    try {
+        Model::load(p);
+        FAIL() << "accepted block_count 2^32-1";
+    } catch (const Error &e) {
+        const std::string msg = e.what();
+        EXPECT_NE(msg.find("'qwen3moe.block_count' is 4294967295"), std::string::npos) << msg;
+        EXPECT_NE(msg.find("tensors"), std::string::npos) << msg;
+    }
 }

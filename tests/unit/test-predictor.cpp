@@ -13,8 +13,11 @@
 
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <filesystem>
+#include <functional>
 #include <fstream>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <unistd.h>
@@ -762,6 +765,78 @@ TEST(LlaporFile, RejectsDamagedFiles) {
     std::string kind = good;
     kind.replace(kind.find("llapor-lstm"), 11, "llapor-gru!");
     expect_error(kind, "predictor kind");
+    // A NaN weight (bit pattern 0x7fc00000) in the last tensor: refused at load, naming the tensor.
+    std::string nan = good;
+    const char nan_bytes[4] = {0x00, 0x00, char(0xc0), 0x7f};
+    nan.replace(nan.size() - 4, 4, nan_bytes, 4);
+    expect_error(nan, "tensor ws holds nan");
+    // The header rewritten: numbers of the wrong kind or size (fuzz findings: nlohmann's get<int64_t> casts a
+    // float, undefined behaviour out of range; an empty tensor reached memcpy with a null destination).
+    auto with_header = [&](const std::function<void(nlohmann::json &)> &edit) {
+        uint32_t hlen = 0;
+        std::memcpy(&hlen, good.data() + 8, 4);
+        nlohmann::json h = nlohmann::json::parse(good.substr(12, hlen));
+        edit(h);
+        const std::string text = h.dump();
+        const uint32_t n = uint32_t(text.size());
+        return good.substr(0, 8) + std::string(reinterpret_cast<const char *>(&n), 4) + text + good.substr(12 + hlen);
+    };
+    expect_error(with_header([](nlohmann::json &h) { h["tensors"][0]["shape"][0] = 3.44e23; }),
+                 "expected non-negative integer dimensions");
+    expect_error(with_header([](nlohmann::json &h) { h["tensors"][0]["shape"][0] = -1; }),
+                 "expected non-negative integer dimensions");
+    expect_error(with_header([](nlohmann::json &h) { h["tensors"][0]["offset"] = 0.5; }), "expected a byte count");
+    expect_error(with_header([](nlohmann::json &h) { h["config"]["n_layers"] = 1e30; }),
+                 "'n_layers' is 1e+30, expected an integer in [0, 2147483647]");
+    expect_error(with_header([](nlohmann::json &h) { h["config"]["n_experts"] = int64_t(1) << 33; }),
+                 "'n_experts' is 8589934592");
+    expect_error(with_header([](nlohmann::json &h) { h["config"]["group_start"] = {0, 2.5}; }), "'group_start' is 2.5");
+    expect_error(with_header([](nlohmann::json &h) { h["config"]["dropout"] = 1e300; }), "'dropout' is 1e+300");
+    // A zero dimension: the network the config describes does not fit the file's values.
+    expect_error(with_header([](nlohmann::json &h) { h["tensors"][0]["shape"][0] = 0; }), "the file holds 1640 in all");
+}
+
+// Non-finite weights are never written: save refuses them and leaves no file.
+TEST(LlaporFile, RefusesToWriteNonFiniteWeights) {
+    LlaporConfig c;
+    c.kind = "llapor-lstm";
+    c.shape = {4, 8, 2};
+    c.group_start = {0};
+    c.hidden = 4;
+    LlaporLstmNet net(c, 1);
+    nn::ParamSet ps = net.params();
+    ps[1].value[3] = std::numeric_limits<float>::infinity();
+    const fs::path p = tmp_file("inf.pred");
+    fs::remove(p);
+    try {
+        save_llapor(p.string(), c, ps);
+        ADD_FAILURE() << "wrote an infinite weight";
+    } catch (const Error &e) {
+        EXPECT_NE(std::string(e.what()).find("tensor " + ps[1].name + " holds inf at index 3"), std::string::npos)
+            << e.what();
+    }
+    EXPECT_FALSE(fs::exists(p));
+}
+
+// A learning rate that blows the weights up: training stops with an error instead of returning parameters.
+TEST(LlaporTraining, DivergenceIsAnError) {
+    const RoutingTrace train = chained_trace(20, 20, 21);
+    TrainOptions o;
+    o.kind = "llapor-lstm";
+    o.window = 2;
+    o.groups = "1";
+    o.hidden = 8;
+    o.epochs = 3;
+    o.batch = 16;
+    o.lr = 1e30f;
+    try {
+        (void)train_llapor(train, nullptr, o);
+        ADD_FAILURE() << "lr 1e30 trained without an error";
+    } catch (const Error &e) {
+        EXPECT_NE(std::string(e.what()).find("training diverged at epoch"), std::string::npos) << e.what();
+    }
+    o.lr = std::numeric_limits<float>::quiet_NaN();
+    EXPECT_THROW((void)train_llapor(train, nullptr, o), Error);
 }
 
 // Fate with the real router weights of a GGUF: given layer l's own router input, it reproduces layer l's routing.

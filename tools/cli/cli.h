@@ -19,8 +19,9 @@ struct CommonArgs {
     int verbosity = 0;       // -v (repeatable)
 };
 void add_common_flags(CLI::App &app, CommonArgs &args);
-/// CLI11 check for a floating-point flag: a finite number in [lo, hi] (CLI::Range lets NaN through).
-CLI::Validator finite_range(double lo, double hi);
+/// CLI11 check for a floating-point flag: a finite number in [lo, hi], or [lo, hi) with hi_open (CLI::Range
+/// lets NaN through).
+CLI::Validator finite_range(double lo, double hi, bool hi_open = false);
 /// Applies -t and -v; call first in every subcommand.
 void apply_common(const CommonArgs &args);
 

@@ -23,9 +23,10 @@ void add_common_flags(CLI::App &app, CommonArgs &args) {
     app.add_flag("-v,--verbose", args.verbosity, "more logging (repeat for debug)");
 }
 
-CLI::Validator finite_range(double lo, double hi) {
+CLI::Validator finite_range(double lo, double hi, bool hi_open) {
+    const char close = hi_open ? ')' : ']';
     return CLI::Validator(
-        [lo, hi](std::string &text) -> std::string {
+        [lo, hi, hi_open, close](std::string &text) -> std::string {
             double v = 0;
             size_t used = 0;
             try {
@@ -33,12 +34,12 @@ CLI::Validator finite_range(double lo, double hi) {
             } catch (const std::exception &) {
                 used = 0;
             }
-            if (used != text.size() || !std::isfinite(v) || v < lo || v > hi) {
-                return fmt::format("expected a number in [{}, {}], got '{}'", lo, hi, text);
+            if (used != text.size() || !std::isfinite(v) || v < lo || v > hi || (hi_open && v == hi)) {
+                return fmt::format("expected a number in [{}, {}{}, got '{}'", lo, hi, close, text);
             }
             return {};
         },
-        fmt::format("NUMBER in [{}, {}]", lo, hi));
+        fmt::format("NUMBER in [{}, {}{}", lo, hi, close));
 }
 
 void apply_common(const CommonArgs &args) {

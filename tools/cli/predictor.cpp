@@ -6,6 +6,7 @@
 #include "backend/cpu/ops.h"
 #include "core/error.h"
 #include "core/log.h"
+#include "core/output-file.h"
 #include "offload/predictor-baselines.h"
 #include "offload/predictor-eval.h"
 #include "offload/predictor-llapor.h"
@@ -14,7 +15,7 @@
 
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
+#include <limits>
 
 extern "C" void openblas_set_num_threads(int num_threads);
 
@@ -34,7 +35,8 @@ void add_split_flags(CLI::App &cmd, SplitArgs &s, const char *default_split) {
     cmd.add_option("--hidden", s.hidden, "its hidden-state sidecar (.hidden.zst)")->check(CLI::ExistingFile);
     cmd.add_option("--split", s.split, "sequences to use: train, test (held out) or all")->capture_default_str();
     cmd.add_option("--holdout-every", s.holdout_every, "sequence i is held out when i % N == N - 1")
-        ->capture_default_str();
+        ->capture_default_str()
+        ->check(CLI::Range(int64_t(2), std::numeric_limits<int64_t>::max()));
 }
 
 struct Loaded {
@@ -92,26 +94,44 @@ void register_train_predictor(CLI::App &app) {
         ->check(CLI::IsMember({"none", "current", "previous"}))->capture_default_str();
     cmd->add_option("--correction", a->correction, "llapor-mlp-prior: mlp (train a correction) or none")
         ->check(CLI::IsMember({"mlp", "none"}))->capture_default_str();
-    cmd->add_option("--ridge", o.ridge, "llapor-mlp-prior: ridge penalty of the drift fit")->capture_default_str();
+    cmd->add_option("--ridge", o.ridge, "llapor-mlp-prior: ridge penalty of the drift fit")
+        ->capture_default_str()
+        ->check(finite_range(0, 1e12));
     cmd->add_option("--loss", o.loss, "khot or negatives (default: negatives for llapor-mlp-prior, else khot)")
         ->check(CLI::IsMember({"khot", "negatives"}));
     cmd->add_option("--val-every", o.val_every, "every N-th training sequence is kept aside for model selection")
-        ->capture_default_str();
+        ->capture_default_str()
+        ->check(CLI::Range(int64_t(2), std::numeric_limits<int64_t>::max()));
     cmd->add_option("--out", a->out, "predictor file to write")->required();
-    cmd->add_option("--window", o.window, "predict layers l+1 .. l+window")->capture_default_str();
+    cmd->add_option("--window", o.window, "predict layers l+1 .. l+window")->capture_default_str()->check(CLI::Range(1, 64));
     cmd->add_option("--groups", o.groups, "auto (measured), 1 (one predictor for all layers), or A,B")
         ->capture_default_str();
-    cmd->add_option("--width", o.hidden, "LSTM state / MLP width (0: 64 / 128)")->capture_default_str();
-    cmd->add_option("--pca-dim", o.pca_dim, "MLP: principal components per layer")->capture_default_str();
+    cmd->add_option("--width", o.hidden, "LSTM state / MLP width (0: 64 / 128)")
+        ->capture_default_str()
+        ->check(CLI::Range(0, 1 << 16));
+    cmd->add_option("--pca-dim", o.pca_dim, "MLP: principal components per layer")
+        ->capture_default_str()
+        ->check(CLI::Range(1, 1 << 16));
     cmd->add_option("--epochs", o.epochs, "passes over the training tokens (llapor-mlp-prior: may be 0)")
-        ->capture_default_str();
-    cmd->add_option("--batch", o.batch, "tokens (LSTM) or rows (MLP) per step")->capture_default_str();
-    cmd->add_option("--lr", o.lr, "Adam learning rate")->capture_default_str();
-    cmd->add_option("--weight-decay", o.weight_decay, "AdamW weight decay")->capture_default_str();
-    cmd->add_option("--dropout", o.dropout, "MLP dropout")->capture_default_str();
-    cmd->add_option("--max-tokens", o.max_tokens, "train on at most this many tokens (0: all)")->capture_default_str();
+        ->capture_default_str()
+        ->check(CLI::Range(0, 1 << 20));
+    cmd->add_option("--batch", o.batch, "tokens (LSTM) or rows (MLP) per step")
+        ->capture_default_str()
+        ->check(CLI::Range(1, 1 << 24));
+    cmd->add_option("--lr", o.lr, "Adam learning rate")
+        ->capture_default_str()
+        ->check(finite_range(0, std::numeric_limits<float>::max()));
+    cmd->add_option("--weight-decay", o.weight_decay, "AdamW weight decay")
+        ->capture_default_str()
+        ->check(finite_range(0, 1e3));
+    cmd->add_option("--dropout", o.dropout, "MLP dropout probability, in [0, 1)")
+        ->capture_default_str()
+        ->check(finite_range(0, 1, /*hi_open=*/true));
+    cmd->add_option("--max-tokens", o.max_tokens, "train on at most this many tokens (0: all)")
+        ->capture_default_str()
+        ->check(CLI::Range(int64_t(0), std::numeric_limits<int64_t>::max()));
     cmd->add_option("--seed", o.seed, "initialisation and shuffling seed")->capture_default_str();
-    cmd->add_option("-t,--threads", a->threads, "CPU threads for BLAS (default: physical cores)");
+    cmd->add_option("-t,--threads", a->threads, "CPU threads for BLAS (default: physical cores)")->check(CLI::Range(1, 1024));
     cmd->add_flag("-v,--verbose", a->verbosity, "more logging");
     cmd->callback([a]() {
         log_init(std::max(a->verbosity, 1));
@@ -175,19 +195,21 @@ void register_eval_predictor(CLI::App &app) {
     cmd->add_option("--window", a->opt.window, "distances 1..window")->capture_default_str()->check(CLI::Range(1, 64));
     cmd->add_option("--k", a->opt.k_pred, "predicted set size (0: the trace's top_k)")
         ->capture_default_str()
-        ->check(CLI::NonNegativeNumber);
+        ->check(CLI::Range(0, std::numeric_limits<int32_t>::max()));
     cmd->add_option("--groups", a->groups, "layer groups of the report: auto or A,B")->capture_default_str();
     cmd->add_option("--cache-slots", a->opt.cache_slots, "replay a hot-expert table of N slots per layer (0: off)")
         ->capture_default_str()
-        ->check(CLI::NonNegativeNumber);
+        ->check(CLI::Range(0, std::numeric_limits<int32_t>::max()));
     cmd->add_option("--cache-policy", a->policy, "lru, lfu or arc")->capture_default_str();
     cmd->add_option("--prefetch", a->opt.prefetch_per_layer, "experts prefetched per predicted layer (0: top_k)")
         ->capture_default_str()
-        ->check(CLI::NonNegativeNumber);
-    cmd->add_option("--decay", a->decay, "recency: per-token decay of the popularity counts")->capture_default_str();
+        ->check(CLI::Range(0, std::numeric_limits<int32_t>::max()));
+    cmd->add_option("--decay", a->decay, "recency: per-token decay of the popularity counts")
+        ->capture_default_str()
+        ->check(finite_range(0, 1));
     cmd->add_option("--json", a->json_out, "write the result as JSON to this file");
     cmd->add_option("--label", a->label, "name of the predictor in the table and JSON (default: from the predictor)");
-    cmd->add_option("-t,--threads", a->threads, "CPU threads for BLAS")->capture_default_str();
+    cmd->add_option("-t,--threads", a->threads, "CPU threads for BLAS")->capture_default_str()->check(CLI::Range(1, 1024));
     cmd->add_flag("-v,--verbose", a->verbosity, "more logging");
     cmd->callback([a]() {
         log_init(a->verbosity);
@@ -252,11 +274,9 @@ void register_eval_predictor(CLI::App &app) {
         if (!a->label.empty()) r.predictor = a->label;
         std::fputs(r.table().c_str(), stdout);
         if (!a->json_out.empty()) {
-            std::ofstream out(a->json_out);
-            if (!out) fail("{}: cannot write", a->json_out);
             nlohmann::json j = r.to_json();
             j["predictor_spec"] = spec;
-            out << j.dump(1) << "\n";
+            write_file_atomic(a->json_out, j.dump(1) + "\n");
         }
     });
 }

@@ -7,6 +7,7 @@
 #include "backend/cpu/ops.h"
 #include "core/error.h"
 #include "core/log.h"
+#include "core/output-file.h"
 #include "offload/byte-size.h"
 #include "offload/cost-model.h"
 #include "offload/expert-store.h"
@@ -322,9 +323,7 @@ void run_check(const CheckArgs &a) {
     std::printf("ILP time %.1f s for %zu states; largest gap %.4f at %s\n", ilp_s, rows.size(), worst.gap,
                 worst.where.c_str());
     if (!a.json_out.empty()) {
-        std::ofstream f(a.json_out);
-        if (!f) fail("{}: cannot write", a.json_out);
-        f << out.dump(1) << "\n";
+        write_file_atomic(a.json_out, out.dump(1) + "\n");
     }
 }
 

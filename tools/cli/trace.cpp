@@ -5,6 +5,7 @@
 #include "arch/arch.h"
 #include "core/error.h"
 #include "core/log.h"
+#include "core/output-file.h"
 #include "offload/trace.h"
 #include "runtime/context.h"
 #include "runtime/tokenizer.h"
@@ -15,6 +16,8 @@
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <optional>
+#include <limits>
 
 namespace prescope::cli {
 
@@ -69,15 +72,11 @@ void run_trace(const TraceArgs &a) {
     std::vector<TracePrompt> prompts = read_prompt_file(a.input, a.source);
     if (a.max_prompts > 0 && int64_t(prompts.size()) > a.max_prompts) prompts.resize(size_t(a.max_prompts));
     if (prompts.empty()) fail("{}: no prompts", a.input);
-    if (a.n_generate < 0) fail("-n {}: expected a number of tokens >= 0", a.n_generate);
-    // Fail before recording, not after: the outputs must be creatable.
-    for (const std::string &out : {a.output, a.hidden}) {
-        if (out.empty()) continue;
-        const std::filesystem::path dir = std::filesystem::absolute(out).parent_path();
-        if (!std::filesystem::is_directory(dir) || access(dir.c_str(), W_OK) != 0) {
-            fail("{}: cannot write there: {} is not a writable directory", out, dir.string());
-        }
-    }
+    // The outputs are created under temporary names now (failing before recording, not after) and renamed
+    // together once both are complete: an error or a full disk leaves neither behind.
+    OutputFile trace_out(a.output);
+    std::optional<OutputFile> hidden_out;
+    if (!a.hidden.empty()) hidden_out.emplace(a.hidden);
 
     Context ctx(*model, {a.common.n_ctx, a.common.n_batch});
     if (a.n_generate >= ctx.n_ctx()) fail("-n {} leaves no room for a prompt in a context of {}", a.n_generate, ctx.n_ctx());
@@ -120,16 +119,20 @@ void run_trace(const TraceArgs &a) {
         }
     }
     bar.finish();
-    write_trace(a.output, rec.trace(), a.level);
+    trace_out.write(encode_trace(a.output, rec.trace(), a.level));
+    if (hidden_out) {
+        HiddenTrace h = rec.hidden();
+        h.trace = std::filesystem::path(a.output).filename().string();
+        hidden_out->write(encode_hidden(a.hidden, h, a.level));
+        hidden_out->commit();
+    }
+    trace_out.commit();
     std::fprintf(stderr, "%s: %lld tokens in %zu sequences, %d layers, %d experts, top-%d\n", a.output.c_str(),
                  (long long)rec.trace().n_tokens(), rec.trace().sequences.size(), rec.trace().n_layer,
                  rec.trace().n_expert, rec.trace().top_k);
-    if (!a.hidden.empty()) {
-        HiddenTrace h = rec.hidden();
-        h.trace = std::filesystem::path(a.output).filename().string();
-        write_hidden(a.hidden, h, a.level);
-        std::fprintf(stderr, "%s: router inputs of %lld tokens, dim %lld\n", a.hidden.c_str(), (long long)h.n_tokens(),
-                     (long long)h.dim);
+    if (hidden_out) {
+        std::fprintf(stderr, "%s: router inputs of %lld tokens, dim %lld\n", a.hidden.c_str(),
+                     (long long)rec.hidden().n_tokens(), (long long)rec.hidden().dim);
     }
 }
 
@@ -145,11 +148,14 @@ void register_trace(CLI::App &app) {
     cmd->add_option("-o,--output", a->output, "trace file to write (.pstrace)")->required();
     cmd->add_option("--hidden", a->hidden, "also write the router inputs to this sidecar (NAME.hidden.zst)");
     cmd->add_option("-n,--n-predict", a->n_generate, "greedy tokens to generate and record after each prompt")
-        ->capture_default_str();
-    cmd->add_option("--max-prompts", a->max_prompts, "use at most this many prompts (0: all)")->capture_default_str();
+        ->capture_default_str()
+        ->check(CLI::Range(int64_t(0), int64_t(1) << 24));
+    cmd->add_option("--max-prompts", a->max_prompts, "use at most this many prompts (0: all)")
+        ->capture_default_str()
+        ->check(CLI::Range(int64_t(0), std::numeric_limits<int64_t>::max()));
     cmd->add_option("--source", a->source, "source of prompts without a \"source\" field")->capture_default_str();
     cmd->add_option("--model-name", a->model_name, "model name in the trace header (default: the GGUF file name)");
-    cmd->add_option("--zstd-level", a->level, "zstd compression level (1-19)")->capture_default_str();
+    cmd->add_option("--zstd-level", a->level, "zstd compression level (1-19)")->capture_default_str()->check(CLI::Range(1, 19));
     cmd->callback([a, cmd]() {
         a->command_line = "prescope trace";
         for (const auto &opt : cmd->get_options()) {

@@ -7,6 +7,9 @@
 #include "core/log.h"
 
 #include <cblas.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
 #include <omp.h>
 #include <sched.h>
 
@@ -52,6 +55,47 @@ int read_int_file(const std::string &path) {
 // ---------------------------------------------------------------------------------------------
 // threads and ISA
 
+int cgroup_cpu_limit(const std::string &proc_self_cgroup, const std::string &cgroup_root) {
+    std::ifstream in(proc_self_cgroup);
+    std::string line;
+    double limit = 0;  // CPUs; 0: no quota found
+    auto lower = [&limit](double quota, double period) {
+        if (quota > 0 && period > 0 && (limit == 0 || quota / period < limit)) limit = quota / period;
+    };
+    while (std::getline(in, line)) {
+        // "0::/path" (v2) or "N:cpu,cpuacct:/path" (v1).
+        const size_t a = line.find(':'), b = a == std::string::npos ? a : line.find(':', a + 1);
+        if (b == std::string::npos) continue;
+        std::string controllers(1, ',');
+        controllers.append(line, a + 1, b - a - 1).push_back(',');
+        const bool v2 = controllers == ",,";
+        if (!v2 && controllers.find(",cpu,") == std::string::npos) continue;
+        // The quota of the cgroup and of each parent applies; in a container the path may not exist below the
+        // mount (a cgroup namespace shows "/"), then the mount root is the container's own cgroup.
+        std::vector<std::string> roots = v2 ? std::vector<std::string>{cgroup_root}
+                                            : std::vector<std::string>{cgroup_root + "/cpu,cpuacct", cgroup_root + "/cpu"};
+        for (const std::string &root : roots) {
+            for (std::string path = line.substr(b + 1);;) {
+                const std::string dir = root + (path == "/" ? "" : path);
+                if (v2) {
+                    std::ifstream f(dir + "/cpu.max");
+                    std::string quota;
+                    double period = 0;
+                    if (f >> quota >> period && quota != "max") lower(std::atof(quota.c_str()), period);
+                } else {
+                    std::ifstream q(dir + "/cpu.cfs_quota_us"), per(dir + "/cpu.cfs_period_us");
+                    double quota = 0, period = 0;
+                    if (q >> quota && per >> period) lower(quota, period);
+                }
+                if (path.empty() || path == "/") break;
+                const size_t slash = path.rfind('/');
+                path = slash == 0 || slash == std::string::npos ? "/" : path.substr(0, slash);
+            }
+        }
+    }
+    return limit > 0 ? std::max(1, int(std::ceil(limit - 1e-9))) : 0;
+}
+
 int physical_cores() {
     static const int n = [] {
         cpu_set_t set;
@@ -69,9 +113,13 @@ int physical_cores() {
             if (package < 0 || core < 0) topology_ok = false;
             cores.emplace(package, core);
         }
-        if (topology_ok && !cores.empty()) return int(cores.size());
-        if (n_cpus > 0) return n_cpus;
-        return std::max(1, int(std::thread::hardware_concurrency()));
+        int found = topology_ok && !cores.empty() ? int(cores.size())
+                    : n_cpus > 0                  ? n_cpus
+                                                  : std::max(1, int(std::thread::hardware_concurrency()));
+        // A container's CPU quota (docker --cpus, Kubernetes limits) leaves the affinity mask whole: more
+        // threads than the quota get throttled in turn, and each barrier waits for the throttled one.
+        const int quota = cgroup_cpu_limit();
+        return quota > 0 ? std::min(found, quota) : found;
     }();
     return n;
 }
@@ -108,8 +156,10 @@ CpuIsa cpu_isa_supported() {
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_cpu_init();
     // libgcc's checks include the OS's XSAVE support for the ymm / zmm state.
-    const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                      __builtin_cpu_supports("f16c");
+    // F16C from CPUID leaf 1 (ECX bit 29): clang before 15 does not know "f16c" in __builtin_cpu_supports.
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    const bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & (1u << 29)) != 0;
+    const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c;
     // The AVX-512 kernels' integer dot products use BW, VL and VNNI (vpdpbusd) besides F.
     if (avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))

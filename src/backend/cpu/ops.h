@@ -8,15 +8,23 @@
 #include "core/tensor.h"
 
 #include <cstdint>
+#include <string>
 
 namespace prescope::cpu {
 
-/// Sets the number of threads the kernels use (OpenMP and OpenBLAS). n <= 0: physical cores.
+/// Sets the number of threads the kernels use (OpenMP and OpenBLAS). n <= 0: physical_cores().
 void set_threads(int n);
 /// Threads the kernels use now.
 int get_threads();
-/// Physical cores of this machine (from /sys topology; falls back to hardware_concurrency).
+/// Physical cores this process may use: the distinct (package, core) pairs of the CPUs in its affinity mask
+/// (/sys topology; the CPU count when that is unreadable, hardware_concurrency without a mask), at most the
+/// cgroup CPU quota (cgroup_cpu_limit()). Computed once.
 int physical_cores();
+/// CPUs the cgroup CPU quota of this process allows, rounded up (cgroup v2 cpu.max "quota period", v1
+/// cpu.cfs_quota_us / cpu.cfs_period_us; the lowest over the cgroup and its parents), or 0 when there is no
+/// quota. The paths are parameters for tests.
+int cgroup_cpu_limit(const std::string &proc_self_cgroup = "/proc/self/cgroup",
+                     const std::string &cgroup_root = "/sys/fs/cgroup");
 
 /// Instruction sets of the kernels' inner loops, in increasing order. Chosen at run time from the
 /// CPU's features (docs/decisions/0010-cpu-kernels.md); every op gives the same results on each up to

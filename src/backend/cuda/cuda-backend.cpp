@@ -2,6 +2,7 @@
 #include "backend/cuda/cuda-backend.h"
 
 #include "core/error.h"
+#include "core/memory.h"
 
 #include <fmt/format.h>
 
@@ -92,8 +93,9 @@ void CudaBackend::thread_init() { check(cudaSetDevice(device_), "cudaSetDevice")
 void *CudaBackend::alloc(MemoryKind kind, size_t n_bytes) {
     PRESCOPE_ASSERT(n_bytes > 0);
     void *p = nullptr;
-    const cudaError_t err = kind == MemoryKind::DEVICE ? cudaMalloc(&p, n_bytes)
-                                                       : cudaHostAlloc(&p, n_bytes, cudaHostAllocPortable);
+    const cudaError_t err = allocation_failure_due()       ? cudaErrorMemoryAllocation  // a test's injected failure
+                            : kind == MemoryKind::DEVICE ? cudaMalloc(&p, n_bytes)
+                                                         : cudaHostAlloc(&p, n_bytes, cudaHostAllocPortable);
     if (err == cudaSuccess) return p;
     cudaGetLastError();
     if (kind == MemoryKind::DEVICE) {
