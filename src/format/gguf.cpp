@@ -239,8 +239,9 @@ GgufFile::GgufFile(const std::string &path) : map_(path) {
     for (auto &t : tensors_) {
         const uint64_t size = map_.size();
         if (data_offset_ > size || t.offset > size - data_offset_ || t.n_bytes > size - data_offset_ - t.offset) {
-            fail("{}: tensor '{}' data [{}, {}) lies past the end of the file ({} bytes)", path, t.name,
-                 data_offset_ + t.offset, data_offset_ + t.offset + t.n_bytes, size);
+            fail("{}: tensor '{}' data [{}, {}) ({} bytes of {}) lies past the end of the file ({} bytes)", path,
+                 t.name, data_offset_ + t.offset, data_offset_ + t.offset + t.n_bytes, t.n_bytes,
+                 ggml_type_name(t.ggml_type), size);
         }
         t.data = map_.data() + data_offset_ + t.offset;
     }

@@ -257,6 +257,28 @@ TEST(HybridMoe, Q8ExpertsThroughSlotsEqualTheCpuExecutor) {
     expect_bitwise_equal(run_tokens(*model, rig.executor.get(), 4), run_tokens(*model, nullptr, 4));
 }
 
+TEST(HybridMoe, LlamaQuantizeFilesThroughSlotsEqualTheCpuExecutor) {
+    // The committed llama-quantize files (tests/data/quant, decision 0071): experts in Q4_0, Q5_0 / Q5_1 /
+    // Q8_0 (the tiny Q4_K_M, whose Q4_K and Q6_K fall back), Q5_1 and IQ4_NL, with the per-tensor mixes
+    // llama-quantize writes; offloaded at several budgets, the logits are the CPU executor's bit for bit.
+    for (const std::string name :
+         {"tiny-qwen3moe-q4_0", "tiny-olmoe-q4_k_m", "tiny-qwen2moe-q5_k_m", "tiny-mixtral-iq4_xs"}) {
+        SCOPED_TRACE(name);
+        const auto model =
+            Model::load((fs::path(PRESCOPE_SOURCE_DIR) / "tests/data/quant" / (name + ".gguf")).string());
+        EXPECT_NE(model->weights().layers[0].gate_exps.type, DType::F32);
+        const std::vector<float> ref = run_tokens(*model, nullptr, 6);
+        const int32_t k = int32_t(model->hp().n_expert_used);
+        for (const Options &o : {Options{}, Options{k, 0, 2, true}, Options{k + 1, -1, 1, true}}) {
+            SCOPED_TRACE(testing::Message() << "slots/layer " << o.slots_per_layer << ", cpu_threshold "
+                                            << o.cpu_threshold);
+            Rig rig(*model, o, kBatch);
+            expect_bitwise_equal(run_tokens(*model, rig.executor.get(), 6), ref);
+            EXPECT_GT(rig.engine->stats().bytes_done, 0u);
+        }
+    }
+}
+
 TEST(HybridMoe, MixedTypeExpertsThroughSlotsOfEachLayersSizeEqualTheCpuExecutor) {
     // Layer 0's experts are Q4_K / Q5_K / Q6_K, layer 1's IQ4_XS / Q4_K / Q4_K: two expert sizes, so the
     // slots of the two layers differ in size; the quantized bytes travel as stored.

@@ -3,9 +3,11 @@
 #include "arch/arch.h"
 #include "core/error.h"
 #include "runtime/context.h"
+#include "../common/error-of.h"
 #include "../common/tiny-model.h"
 
 #include <unistd.h>
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -13,6 +15,7 @@
 #include <cstring>
 #include <fstream>
 #include <filesystem>
+#include <fstream>
 
 using prescope::Error;
 using prescope::Model;
@@ -123,6 +126,34 @@ TEST(ModelLoad, UnsupportedDtype) {
                       {"tensor 'blk.0.ffn_gate_exps.weight' has unsupported dtype iq2_xxs",
                        "supported: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q2_K, q3_K, q4_K, q5_K, q6_K, iq4_nl, "
                        "iq4_xs, mxfp4"});
+}
+
+TEST(ModelLoad, TruncatedQuantizedDataNamesTheTensorItsTypeAndItsSize) {
+    // A llama-quantize file (tests/data/quant, decision 0071) cut one byte short of the end of its last
+    // quantized tensor: the size check, from the type's block size, names that tensor.
+    const std::filesystem::path src =
+        std::filesystem::path(PRESCOPE_SOURCE_DIR) / "tests/data/quant/tiny-olmoe-q4_k_m.gguf";
+    const prescope::GgufFile f(src.string());
+    const prescope::GgufTensorInfo *last = nullptr;
+    for (const auto &t : f.tensors()) {
+        if (t.dtype && prescope::dtype_is_quantized(*t.dtype) && (!last || t.offset > last->offset)) last = &t;
+    }
+    ASSERT_NE(last, nullptr);
+    const uint64_t end = f.data_offset() + last->offset + last->n_bytes;
+    std::vector<uint8_t> bytes(end - 1);
+    std::ifstream(src, std::ios::binary).read(reinterpret_cast<char *>(bytes.data()), std::streamsize(bytes.size()));
+    const std::string p = (std::filesystem::temp_directory_path() /
+                           ("prescope-model-" + std::to_string(getpid()) + "-truncated-quant.gguf"))
+                              .string();
+    prescope::test::GgufWriter::write_bytes(p, bytes);
+    const std::string msg = prescope::test::error_of([&] { Model::load(p); });
+    std::filesystem::remove(p);
+    for (const std::string &n :
+         {p, "tensor '" + last->name + "' data", fmt::format("{} bytes of {}", last->n_bytes,
+                                                             prescope::dtype_name(*last->dtype)),
+          fmt::format("lies past the end of the file ({} bytes)", end - 1)}) {
+        EXPECT_NE(msg.find(n), std::string::npos) << "'" << n << "' not in: " << msg;
+    }
 }
 
 TEST(ModelLoad, UnsupportedArchitecture) {

@@ -3,7 +3,8 @@
 // GEMV (memory-bound decode; integer dot products on quantized activations). Many tokens: weight tiles
 // converted to F32 in L2, then a register-blocked GEMM on the transposed activations (or OpenBLAS
 // sgemm), the activations quantized and dequantized again first so both paths compute the same
-// products. Decisions 0011, 0060, 0061.
+// products (for Q4_1 / Q5_1 also the same min term, from the F16 block sums of their Q8_1 activations).
+// Decisions 0011, 0060, 0061, 0065.
 #include "backend/cpu/ops.h"
 
 #include "backend/cpu/kernels.h"
@@ -13,6 +14,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstddef>
+#include <cstring>
 #include <vector>
 
 namespace prescope::cpu {
@@ -77,6 +80,35 @@ void gemm_rows(const KernelTable &k, DType type, const uint8_t *w, size_t row_by
     }
 }
 
+/// Q4_1 / Q5_1 weights on the GEMM path: the integer kernels (and ggml's vec_dot_q{4,5}_1_q8_1) add each
+/// block's min times s, the activation block sum rounded to F16 by the Q8_1 quantizer, while the tiles
+/// multiply the min by the sum of the dequantized activations. Adds min * (s - that sum) for rows [r0, r1)
+/// so that both paths compute the same: xc [n_tok][n_in / 32] holds s - sum per token and block.
+void add_q8_1_min_correction(const uint8_t *w, size_t row_bytes, int64_t n_in, int64_t n_out, int64_t r0,
+                             int64_t r1, const float *xc, int64_t n_tok, float *y) {
+    static_assert(offsetof(BlockQ4_1, m) == offsetof(BlockQ5_1, m));
+    const int64_t nb = n_in / 32;
+    const size_t block_bytes = row_bytes / size_t(nb);
+    thread_local std::vector<float> mins;
+    mins.resize(size_t((r1 - r0) * nb));
+    for (int64_t r = r0; r < r1; ++r) {
+        for (int64_t b = 0; b < nb; ++b) {
+            uint16_t m;
+            std::memcpy(&m, w + size_t(r) * row_bytes + size_t(b) * block_bytes + offsetof(BlockQ4_1, m), 2);
+            mins[size_t((r - r0) * nb + b)] = fp16_to_fp32(m);
+        }
+    }
+    for (int64_t t = 0; t < n_tok; ++t) {
+        const float *c = xc + t * nb;
+        for (int64_t r = r0; r < r1; ++r) {
+            const float *m = &mins[size_t((r - r0) * nb)];
+            float acc = 0.0f;
+            for (int64_t b = 0; b < nb; ++b) acc += m[b] * c[b];
+            y[t * n_out + r] += acc;
+        }
+    }
+}
+
 } // namespace
 
 int64_t gemm_min_tokens() {
@@ -108,6 +140,8 @@ void matmul_batch(DType type, int64_t n_in, int64_t n_out, const MatmulJob *jobs
     const bool qact = quantizes_activations(type);
     const DType at = qact ? vec_dot_type(type) : DType::F32;
     const size_t xq_row = qact ? dtype_row_bytes(at, n_in) : 0;
+    const bool q8_1_mins = at == DType::Q8_1;  // GEMM jobs add add_q8_1_min_correction
+    const int64_t n_blocks = n_in / 32;
 
     // Share the rows out: GEMV jobs cost about their bytes, so about two slices per thread (dynamic
     // scheduling evens out the rest). GEMM jobs cost tokens x rows: one slice per thread for a single
@@ -133,13 +167,14 @@ void matmul_batch(DType type, int64_t n_in, int64_t n_out, const MatmulJob *jobs
     thread_local std::vector<PackItem> pack;
     thread_local std::vector<QuantItem> quant;
     thread_local std::vector<int64_t> xt_offset, xa_offset;
-    thread_local std::vector<float> xt_buf, xf_buf;
+    thread_local std::vector<float> xt_buf, xf_buf, xc_buf;
     thread_local std::vector<uint8_t> xq_buf;
     items.clear();
     pack.clear();
     quant.clear();
     xt_offset.assign(size_t(n_jobs), 0);
     xa_offset.assign(size_t(n_jobs), 0);  // bytes into xq_buf (GEMV) or floats into xf_buf (GEMM)
+    // GEMM jobs with Q8_1 activations: their min corrections sit in xc_buf at xa_offset / 32.
     size_t xt_size = 0, xq_size = 0, xf_size = 0;
     for (int64_t j = 0; j < n_jobs; ++j) {
         const int64_t nt = jobs[j].n_tok;
@@ -168,9 +203,11 @@ void matmul_batch(DType type, int64_t n_in, int64_t n_out, const MatmulJob *jobs
     if (xt_buf.size() < xt_size) xt_buf.resize(xt_size);
     if (xq_buf.size() < xq_size) xq_buf.resize(xq_size);
     if (xf_buf.size() < xf_size) xf_buf.resize(xf_size);
+    if (q8_1_mins && xc_buf.size() < xf_size / 32) xc_buf.resize(xf_size / 32);
     float *const xt = xt_buf.data();
     uint8_t *const xq = xq_buf.data();
     float *const xf = xf_buf.data();
+    float *const xc = xc_buf.data();
     const WorkItem *const item_list = items.data();
     const PackItem *const pack_list = pack.data();
     const QuantItem *const quant_list = quant.data();
@@ -193,7 +230,17 @@ void matmul_batch(DType type, int64_t n_in, int64_t n_out, const MatmulJob *jobs
                 const float *x = job.x + t * n_in;
                 if (gemm) {
                     k.quantize[act_index(at)](x, tmp.data(), n_in);
-                    dequantize_row(at, tmp.data(), xf + xa_offsets[it.job] + t * n_in, n_in);
+                    float *xd = xf + xa_offsets[it.job] + t * n_in;
+                    dequantize_row(at, tmp.data(), xd, n_in);
+                    if (q8_1_mins) {
+                        const auto *blocks = reinterpret_cast<const BlockQ8_1 *>(tmp.data());
+                        float *c = xc + xa_offsets[it.job] / 32 + t * n_blocks;
+                        for (int64_t b = 0; b < n_blocks; ++b) {
+                            float sum = 0.0f;
+                            for (int i = 0; i < 32; ++i) sum += xd[b * 32 + i];
+                            c[b] = fp16_to_fp32(blocks[b].s) - sum;
+                        }
+                    }
                 } else {
                     k.quantize[act_index(at)](x, xq + xa_offsets[it.job] + size_t(t) * xq_row, n_in);
                 }
@@ -212,6 +259,10 @@ void matmul_batch(DType type, int64_t n_in, int64_t n_out, const MatmulJob *jobs
             if (job.n_tok >= min_gemm_tok) {
                 gemm_rows(k, type, static_cast<const uint8_t *>(job.w), row_bytes, n_in, n_out, it.r0, it.r1,
                           gemm_x(it.job), xt + xt_offsets[it.job], job.n_tok, job.y);
+                if (q8_1_mins) {
+                    add_q8_1_min_correction(static_cast<const uint8_t *>(job.w), row_bytes, n_in, n_out, it.r0,
+                                            it.r1, xc + xa_offsets[it.job] / 32, job.n_tok, job.y);
+                }
             } else if (qact) {
                 k.qgemv[ti](w, row_bytes, it.r1 - it.r0, n_in, xq + xa_offsets[it.job], xq_row, job.n_tok,
                             job.y + it.r0, n_out);
