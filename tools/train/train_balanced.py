@@ -299,13 +299,7 @@ def merge_sidecars(args):
 def full(args):
     """The device job (module docstring); a failed phase is recorded and the others still run."""
     t0 = time.time()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    work = Path(args.work)
-    if work.exists():
-        shutil.rmtree(work)
-    stage = work / "stage"
-    (stage / "traces").mkdir(parents=True)
+    out, stage = tm.fresh_stage(args.out, args.work)
     summary = {"mode": "smoke" if args.smoke else "full", "budget_s": args.budget_s,
                "command": "python3 tools/train/train_balanced.py " + " ".join(sys.argv[1:])}
     ph = tm.Phases(summary)

@@ -511,6 +511,19 @@ def save_routers(model, path):
 # ---------------------------------------------------------------- packing
 
 
+def fresh_stage(out, work):
+    """Creates the output folder `out`, empties the work folder `work` and returns `work/stage` with an empty
+    `traces/` folder in it (Paths): where a device job assembles what pack_outputs sends back."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(work)
+    if work.exists():
+        shutil.rmtree(work)
+    stage = work / "stage"
+    (stage / "traces").mkdir(parents=True)
+    return out, stage
+
+
 def pack_outputs(stage, out, items, summary):
     """Tars `items` ([(path_in_tar, file)], in priority order; later ones are left out if the return budget is
     exceeded) into OUT/results.tar.part-NN pieces of at most 15 MiB and records their checksums."""
@@ -570,13 +583,8 @@ def main():
         T0 = min(T0, args.start_time)
     cfg = RUNS["smoke" if args.smoke else "full"]
     deadline_all = T0 + args.budget_s
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    work = Path(args.work)
-    if work.exists():
-        shutil.rmtree(work)
-    stage = work / "stage"
-    (stage / "traces").mkdir(parents=True)
+    out, stage = fresh_stage(args.out, args.work)
+    work = stage.parent
     summary = {"mode": "smoke" if args.smoke else "full", "budget_s": args.budget_s,
                "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:])}
     ph = Phases(summary)
