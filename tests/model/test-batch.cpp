@@ -322,6 +322,20 @@ TEST(Batch, BadBatchesAreRefusedBeforeAnythingRuns) {
     EXPECT_THROW(Context(m, {8, 512, 0}), prescope::Error);
 }
 
+TEST(Batch, TheMemoryCheckCountsEverySequencesCache) {
+    // One sequence of 4096 tokens fits; 2^20 of them (48 TiB of KV cache) are refused before allocating.
+    EXPECT_NO_THROW(Context(demo_model(), {4096, 64, 1}));
+    try {
+        Context ctx(demo_model(), {4096, 64, int64_t(1) << 20});
+        FAIL() << "no error";
+    } catch (const prescope::Error &e) {
+        EXPECT_NE(std::string(e.what()).find("out of memory: the KV caches and activations for -c 4096 -b 64 and "
+                                             "1048576 sequences"),
+                  std::string::npos)
+            << e.what();
+    }
+}
+
 TEST(Batch, TheEngineInterfaceRunsSeveralSequencesAndTheHooksSeeTheWholePass) {
     const prescope::Model &m = demo_model();
     const std::unique_ptr<prescope::Engine> engine = prescope::make_engine(m, {32, 512, 2, true}, {});
