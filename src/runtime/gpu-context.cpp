@@ -81,10 +81,12 @@ void GpuContext::init() {
         fail("invalid context: n_ctx {} and n_batch {} must be positive", params_.n_ctx, params_.n_batch);
     }
     params_.n_batch = std::min(params_.n_batch, params_.n_ctx);
-    if (params_.n_seq != 1 || params_.deterministic) {
-        fail("the GPU runtime runs one sequence without batch-invariant kernels for now (asked: {} sequences{}); "
-             "leave out the GPU flags to run on the CPU",
-             params_.n_seq, params_.deterministic ? ", --deterministic" : "");
+    if (params_.n_seq != 1) {
+        fail("the GPU runtime runs one sequence for now, not {}; leave out the GPU flags to run on the CPU",
+             params_.n_seq);
+    }
+    if (params_.deterministic) {
+        fail("--deterministic is not in the GPU runtime yet; leave out the GPU flags to run on the CPU");
     }
     std::string why;
     if (cuda_device_count(&why) == 0) {
