@@ -64,9 +64,9 @@ Context::Context(const Model &model, ContextParams params, ExpertExecutor *execu
     v_.resize(size_t(nb * n_kv));
     probs_.resize(size_t(nb * hp.n_expert));
     pos_.resize(size_t(nb));
-    batch_tokens_.resize(size_t(nb));
-    runs_.reserve(size_t(std::min(nb, params_.n_seq)) + 1);
-    out_rows_.reserve(size_t(nb));
+    scratch_.tokens.reserve(size_t(nb));
+    scratch_.runs.reserve(size_t(std::min(nb, params_.n_seq)) + 1);
+    scratch_.out_rows.reserve(size_t(nb));
     n_past_.assign(size_t(params_.n_seq), 0);
     if (hp.shared_expert) shexp_.resize(size_t(nb * (2 * hp.n_ff_shexp + hp.n_embd)));
     routing_.ids.reserve(size_t(nb * hp.n_expert_used));
@@ -137,14 +137,15 @@ void Context::eval(std::span<const int32_t> tokens, bool all_logits) {
     logits_.resize(n_logits);
     for (int64_t i = 0; i < n; i += params_.n_batch) {
         const int64_t m = std::min(params_.n_batch, n - i);
-        const Run run{0, m, n_past_[0]};
-        out_rows_.clear();
+        const SeqRun run{0, m, n_past_[0]};
+        std::vector<int64_t> &out_rows = scratch_.out_rows;
+        out_rows.clear();
         if (all_logits) {
-            for (int64_t r = 0; r < m; ++r) out_rows_.push_back(r);
+            for (int64_t r = 0; r < m; ++r) out_rows.push_back(r);
         } else if (i + m == n) {
-            out_rows_.push_back(m - 1);
+            out_rows.push_back(m - 1);
         }
-        forward_pass(tokens.data() + i, m, {&run, 1}, out_rows_, logits_.data() + (all_logits ? i * hp.n_vocab : 0));
+        forward_pass(tokens.data() + i, m, {&run, 1}, out_rows, logits_.data() + (all_logits ? i * hp.n_vocab : 0));
     }
 }
 
@@ -159,48 +160,29 @@ void Context::eval_batch(std::span<const SeqTokens> batch) {
     }
     logits_.resize(n_logits);
 
-    // Entries fill passes of n_batch tokens in order; an entry that does not fit the rest of a pass goes on
-    // in the next. A run's positions come from its sequence's n_past before the call (forward_pass moves it).
-    int64_t filled = 0, row = 0;
-    runs_.clear();
-    out_rows_.clear();
-    const auto flush = [&] {
-        forward_pass(batch_tokens_.data(), filled, runs_, out_rows_, logits_.data() + row * hp.n_vocab);
-        row += int64_t(out_rows_.size());
-        filled = 0;
-        runs_.clear();
-        out_rows_.clear();
-    };
-    for (const SeqTokens &e : batch) {
-        const int64_t start = n_past_[size_t(e.seq)], n = int64_t(e.tokens.size());
-        for (int64_t done = 0; done < n;) {
-            const int64_t m = std::min(params_.n_batch - filled, n - done);
-            std::copy_n(e.tokens.data() + done, m, batch_tokens_.data() + filled);
-            runs_.push_back({e.seq, m, start + done});
-            done += m;
-            filled += m;
-            if (e.logits && done == n) out_rows_.push_back(filled - 1);
-            if (filled == params_.n_batch) flush();
-        }
-    }
-    if (filled > 0) flush();
+    split_batch(batch, n_past_, params_.n_batch, scratch_,
+                [&](std::span<const int32_t> tokens, std::span<const SeqRun> runs, std::span<const int64_t> out_rows,
+                    int64_t first_row) {
+                    forward_pass(tokens.data(), int64_t(tokens.size()), runs, out_rows,
+                                 logits_.data() + first_row * hp.n_vocab);
+                });
 }
 
-void Context::forward_pass(const int32_t *tokens, int64_t n, std::span<const Run> runs,
+void Context::forward_pass(const int32_t *tokens, int64_t n, std::span<const SeqRun> runs,
                            std::span<const int64_t> out_rows, float *logits_out) {
     const HParams &hp = model_.hp();
     const ModelWeights &w = model_.weights();
     const cpu::BatchInvariantScope invariant(params_.deterministic);
     cpu::get_rows(w.tok_embd, tokens, n, x_.data());
     int64_t t = 0;
-    for (const Run &r : runs) {
+    for (const SeqRun &r : runs) {
         for (int64_t i = 0; i < r.n; ++i) pos_[size_t(t++)] = int32_t(r.pos0 + i);
     }
     for (int64_t il = 0; il < hp.n_layer; ++il) {
         attention_block(il, n, runs);
         moe_block(il, n);
     }
-    for (const Run &r : runs) n_past_[size_t(r.seq)] = r.pos0 + r.n;
+    for (const SeqRun &r : runs) n_past_[size_t(r.seq)] = r.pos0 + r.n;
     if (out_rows.empty()) return;
     // Only the rows whose logits are wanted go through the output head (gathered unless they are the last ones).
     const auto rows = int64_t(out_rows.size());
@@ -215,7 +197,7 @@ void Context::forward_pass(const int32_t *tokens, int64_t n, std::span<const Run
     cpu::matmul(w.output, h_.data(), rows, logits_out);
 }
 
-void Context::attention_block(int64_t il, int64_t n, std::span<const Run> runs) {
+void Context::attention_block(int64_t il, int64_t n, std::span<const SeqRun> runs) {
     const HParams &hp = model_.hp();
     const LayerWeights &l = model_.weights().layers[size_t(il)];
     const int64_t n_q = hp.n_head * hp.head_dim, n_kv = hp.n_head_kv * hp.head_dim;
@@ -241,7 +223,7 @@ void Context::attention_block(int64_t il, int64_t n, std::span<const Run> runs) 
 
     // Each run against its own sequence's cache.
     int64_t t0 = 0;
-    for (const Run &r : runs) {
+    for (const SeqRun &r : runs) {
         const int64_t cache_offset = (il * params_.n_seq + r.seq) * params_.n_ctx * n_kv;
         float *kc = k_cache_.data() + cache_offset;
         float *vc = v_cache_.data() + cache_offset;

@@ -5,6 +5,7 @@
 #include "arch/arch.h"
 #include "runtime/moe.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -30,6 +31,54 @@ struct SeqTokens {
     std::span<const int32_t> tokens;
     bool logits = true;
 };
+
+/// A run of one sequence's tokens inside a forward pass, at KV cache positions [pos0, pos0 + n).
+struct SeqRun {
+    int32_t seq = 0;
+    int64_t n = 0, pos0 = 0;
+};
+
+/// The reused buffers of split_batch(): one pass's tokens, runs and logits rows.
+struct BatchScratch {
+    std::vector<int32_t> tokens;
+    std::vector<SeqRun> runs;
+    std::vector<int64_t> out_rows;
+};
+
+/// Splits eval_batch()'s entries (already checked by check_batch_input) into forward passes of at most n_batch
+/// tokens, filled in entry order (an entry that does not fit the rest of a pass goes on in the next), and calls
+/// pass(tokens, runs, out_rows, first_row) for each: the pass's tokens, its runs (positions from n_past[seq] as
+/// it was when the entry's first run was made), the pass-local rows whose logits are wanted (each entry with
+/// logits: its last token) and the index of the first of them among the batch's logits rows. Both engines run
+/// their passes through it, so they split a batch the same way. Allocates only when `s` lacks capacity.
+template <typename Pass>
+void split_batch(std::span<const SeqTokens> batch, std::span<const int64_t> n_past, int64_t n_batch,
+                 BatchScratch &s, Pass &&pass) {
+    int64_t row = 0;
+    s.tokens.clear();
+    s.runs.clear();
+    s.out_rows.clear();
+    const auto flush = [&] {
+        pass(std::span<const int32_t>(s.tokens), std::span<const SeqRun>(s.runs),
+             std::span<const int64_t>(s.out_rows), row);
+        row += int64_t(s.out_rows.size());
+        s.tokens.clear();
+        s.runs.clear();
+        s.out_rows.clear();
+    };
+    for (const SeqTokens &e : batch) {
+        const int64_t start = n_past[size_t(e.seq)], n = int64_t(e.tokens.size());
+        for (int64_t done = 0; done < n;) {
+            const int64_t m = std::min(n_batch - int64_t(s.tokens.size()), n - done);
+            s.tokens.insert(s.tokens.end(), e.tokens.begin() + done, e.tokens.begin() + done + m);
+            s.runs.push_back({e.seq, m, start + done});
+            done += m;
+            if (e.logits && done == n) s.out_rows.push_back(int64_t(s.tokens.size()) - 1);
+            if (int64_t(s.tokens.size()) == n_batch) flush();
+        }
+    }
+    if (!s.tokens.empty()) flush();
+}
 
 /// The checks every engine's eval() makes before it runs: tokens not empty, each inside the vocabulary, and
 /// fitting the context (n_past + tokens.size() <= n_ctx). Throws prescope::Error saying which failed.
@@ -83,16 +132,11 @@ class Context {
     std::function<void(int64_t layer, const float *x, int64_t n_tok)> on_router_input;
 
   private:
-    /// A run of one sequence's tokens inside a forward pass, at cache positions [pos0, pos0 + n).
-    struct Run {
-        int32_t seq;
-        int64_t n, pos0;
-    };
     /// One forward pass over tokens[0, n) made of `runs` (in order); logits_out receives [out_rows][n_vocab],
     /// the logits of the given rows of the pass (none: no output head).
-    void forward_pass(const int32_t *tokens, int64_t n, std::span<const Run> runs, std::span<const int64_t> out_rows,
-                      float *logits_out);
-    void attention_block(int64_t il, int64_t n, std::span<const Run> runs);
+    void forward_pass(const int32_t *tokens, int64_t n, std::span<const SeqRun> runs,
+                      std::span<const int64_t> out_rows, float *logits_out);
+    void attention_block(int64_t il, int64_t n, std::span<const SeqRun> runs);
     void moe_block(int64_t il, int64_t n);
     void check_seq(int32_t seq) const;
 
@@ -113,9 +157,7 @@ class Context {
     std::vector<float> shexp_;   // [n_batch][2 * n_ff_shexp + n_embd] shared-expert scratch
     std::vector<float> probs_;   // [n_batch][n_expert] router softmax
     std::vector<int32_t> pos_;   // [n_batch] positions
-    std::vector<int32_t> batch_tokens_;  // [n_batch] eval_batch: the tokens of one pass
-    std::vector<Run> runs_;              // eval_batch: the runs of one pass
-    std::vector<int64_t> out_rows_;      // [n_batch] rows of a pass whose logits are wanted
+    BatchScratch scratch_;       // eval/eval_batch: one pass's tokens, runs and logits rows
     Routing routing_;
     std::vector<float> logits_;
 };

@@ -80,14 +80,22 @@ void GpuContext::init() {
     if (params_.n_batch <= 0 || params_.n_ctx <= 0) {
         fail("invalid context: n_ctx {} and n_batch {} must be positive", params_.n_ctx, params_.n_batch);
     }
-    params_.n_batch = std::min(params_.n_batch, params_.n_ctx);
-    if (params_.n_seq != 1) {
-        fail("the GPU runtime runs one sequence for now, not {}; leave out the GPU flags to run on the CPU",
-             params_.n_seq);
+    if (params_.n_seq <= 0 || params_.n_ctx > INT32_MAX / params_.n_seq) {
+        // KV cache rows are int32 on the device.
+        fail("invalid context: n_seq {} must be positive and n_seq x n_ctx ({} x {}) at most {}", params_.n_seq,
+             params_.n_seq, params_.n_ctx, INT32_MAX);
+    }
+    // No pass holds more tokens than all caches together (as Context).
+    if (params_.n_ctx < (params_.n_batch + params_.n_seq - 1) / params_.n_seq) {
+        params_.n_batch = params_.n_ctx * params_.n_seq;
     }
     if (params_.deterministic) {
-        fail("--deterministic is not in the GPU runtime yet; leave out the GPU flags to run on the CPU");
+        // The expert placement itself depends on the batch (the plan picks GPU or CPU per expert and step), so
+        // batch-invariant kernels alone would not make a token's logits batch-independent here (decision 0130).
+        fail("--deterministic runs on the CPU only: on the GPU the offloading plan, which sees the whole batch, "
+             "decides where each expert runs; leave out the GPU flags or --deterministic");
     }
+    n_past_.assign(size_t(params_.n_seq), 0);
     std::string why;
     if (cuda_device_count(&why) == 0) {
         fail("--gpu-expert-budget (gpu_cache) needs a CUDA GPU, but none is usable here ({}); leave the flag out "
@@ -190,11 +198,13 @@ void GpuContext::init() {
         tmp_ = c.take<float>(size_t(nb * n_embd));
         q_ = c.take<float>(size_t(nb * n_q));
         attn_ = c.take<float>(size_t(nb * n_q));
-        k_cache_ = c.take<float>(size_t(hp.n_layer * params_.n_ctx * n_kv));
-        v_cache_ = c.take<float>(size_t(hp.n_layer * params_.n_ctx * n_kv));
+        k_cache_ = c.take<float>(size_t(hp.n_layer * params_.n_seq * params_.n_ctx * n_kv));
+        v_cache_ = c.take<float>(size_t(hp.n_layer * params_.n_seq * params_.n_ctx * n_kv));
+        k_new_ = params_.n_seq > 1 ? c.take<float>(size_t(nb * n_kv)) : nullptr;
+        v_new_ = params_.n_seq > 1 ? c.take<float>(size_t(nb * n_kv)) : nullptr;
         router_logits_ = c.take<float>(size_t(nb * E));
         routing_dev_ = c.take<uint8_t>(routing_block(nb).bytes);
-        tok_dev_ = c.take<int32_t>(size_t(2 * nb));
+        tok_dev_ = c.take<int32_t>(size_t(4 * nb));
         logits_dev_ = c.take<float>(size_t(kLogitRows * hp.n_vocab));
         ws_.ptr = c.take<uint8_t>(ws);
         ws_.bytes = ws;
@@ -220,7 +230,7 @@ void GpuContext::init() {
     Carver host_sizing;
     auto carve_host = [&](Carver &c) {
         routing_host_ = c.take<uint8_t>(routing_block(nb).bytes);
-        tok_host_ = c.take<int32_t>(size_t(2 * nb));
+        tok_host_ = c.take<int32_t>(size_t(4 * nb));
         logits_host_ = c.take<float>(size_t(kLogitRows * hp.n_vocab));
     };
     carve_host(host_sizing);
@@ -383,69 +393,89 @@ void GpuContext::matmul(const DevMatrix &w, const float *x, int64_t n_tok, float
 void GpuContext::eval(std::span<const int32_t> tokens, bool all_logits) {
     const HParams &hp = model_.hp();
     const auto n = int64_t(tokens.size());
-    check_eval_input(hp, tokens, n_past_, params_.n_ctx);
+    check_eval_input(hp, tokens, n_past_[0], params_.n_ctx);
     logits_.resize(size_t((all_logits ? n : 1) * hp.n_vocab));
     for (int64_t i = 0; i < n; i += params_.n_batch) {
         const int64_t m = std::min(params_.n_batch, n - i);
-        if (oracle_) {
-            // The oracle scores the batch's last token's next layers from the replayed trace.
-            oracle_->set_token((replay_->cursor() + m - 1) % replay_->trace().n_tokens());
+        const SeqRun run{0, m, n_past_[0]};
+        scratch_.out_rows.clear();
+        if (all_logits) {
+            for (int64_t r = 0; r < m; ++r) scratch_.out_rows.push_back(r);
+        } else if (i + m == n) {
+            scratch_.out_rows.push_back(m - 1);
         }
-        float *out = all_logits ? logits_.data() + i * hp.n_vocab : (i + m == n ? logits_.data() : nullptr);
-        forward_batch(tokens.data() + i, m, all_logits, out);
+        forward_pass(tokens.data() + i, m, {&run, 1}, scratch_.out_rows,
+                     logits_.data() + (all_logits ? i * hp.n_vocab : 0));
     }
     moe_->collect_timings();
     (n == 1 ? tokens_decode_ : tokens_prefill_) += n;
 }
 
 void GpuContext::eval_batch(std::span<const SeqTokens> batch) {
-    const int64_t n_past[1] = {n_past_};
-    check_batch_input(model_.hp(), batch, n_past, params_.n_ctx);
-    eval(batch[0].tokens);  // one sequence: the batch is its entry
-    if (!batch[0].logits) logits_.clear();
+    const HParams &hp = model_.hp();
+    check_batch_input(hp, batch, n_past_, params_.n_ctx);
+    int64_t n_out = 0;
+    for (const SeqTokens &e : batch) {
+        n_out += e.logits ? 1 : 0;
+        (e.tokens.size() == 1 ? tokens_decode_ : tokens_prefill_) += int64_t(e.tokens.size());
+    }
+    logits_.resize(size_t(n_out * hp.n_vocab));
+    split_batch(batch, n_past_, params_.n_batch, scratch_,
+                [&](std::span<const int32_t> tokens, std::span<const SeqRun> runs, std::span<const int64_t> out_rows,
+                    int64_t first_row) {
+                    forward_pass(tokens.data(), int64_t(tokens.size()), runs, out_rows,
+                                 logits_.data() + first_row * hp.n_vocab);
+                });
+    moe_->collect_timings();
 }
-
-namespace {
-
-void check_one_sequence(int32_t seq) {
-    if (seq != 0) fail("sequence {} is outside [0, 1) (the GPU runtime holds 1 sequence)", seq);
-}
-
-} // namespace
 
 int64_t GpuContext::n_past(int32_t seq) const {
-    check_one_sequence(seq);
-    return n_past_;
+    if (seq < 0 || seq >= params_.n_seq) {
+        fail("sequence {} is outside [0, {}) (the context holds {} sequences)", seq, params_.n_seq, params_.n_seq);
+    }
+    return n_past_[size_t(seq)];
 }
 
 void GpuContext::clear() {
-    n_past_ = 0;
+    std::fill(n_past_.begin(), n_past_.end(), 0);
     moe_->reset();
 }
 
 void GpuContext::clear(int32_t seq) {
-    check_one_sequence(seq);
-    clear();
+    n_past(seq);  // range check
+    n_past_[size_t(seq)] = 0;  // the hot-expert table and predictor state are shared by every sequence: kept
 }
 
-void GpuContext::forward_batch(const int32_t *tokens, int64_t n, bool all_logits, float *logits_out) {
+void GpuContext::forward_pass(const int32_t *tokens, int64_t n, std::span<const SeqRun> runs,
+                              std::span<const int64_t> out_rows, float *logits_out) {
     const HParams &hp = model_.hp();
     const int64_t nb = params_.n_batch;
+    if (oracle_) {
+        // The oracle scores the pass's last token's next layers from the replayed trace.
+        oracle_->set_token((replay_->cursor() + n - 1) % replay_->trace().n_tokens());
+    }
+    // One upload per pass: token ids, positions, KV cache rows (sequence * n_ctx + position), logits rows.
     std::copy_n(tokens, n, tok_host_);
-    for (int64_t i = 0; i < n; ++i) tok_host_[nb + i] = int32_t(n_past_ + i);
-    backend_->copy_h2d_async(tok_dev_, tok_host_, size_t(2 * nb) * 4, compute_);
+    int64_t t = 0;
+    for (const SeqRun &r : runs) {
+        for (int64_t i = 0; i < r.n; ++i, ++t) {
+            tok_host_[nb + t] = int32_t(r.pos0 + i);
+            tok_host_[2 * nb + t] = int32_t(r.seq * params_.n_ctx + r.pos0 + i);
+        }
+    }
+    const auto n_rows = int64_t(out_rows.size());
+    for (int64_t i = 0; i < n_rows; ++i) tok_host_[3 * nb + i] = int32_t(out_rows[size_t(i)]);
+    backend_->copy_h2d_async(tok_dev_, tok_host_, size_t(4 * nb) * 4, compute_);
     cuda::get_rows(tok_embd_.type, tok_embd_.data, hp.n_embd, hp.n_vocab, tok_dev_, n, x_, stream());
     for (int64_t il = 0; il < hp.n_layer; ++il) {
-        attention_block(il, n);
+        attention_block(il, n, runs);
         moe_block(il, n);
     }
-    n_past_ += n;
-    if (!logits_out) return;
-    const int64_t first = all_logits ? 0 : n - 1;
-    output_head(first, n - first, logits_out);
+    for (const SeqRun &r : runs) n_past_[size_t(r.seq)] = r.pos0 + r.n;
+    if (n_rows > 0) output_head(n_rows, logits_out);
 }
 
-void GpuContext::attention_block(int64_t il, int64_t n) {
+void GpuContext::attention_block(int64_t il, int64_t n, std::span<const SeqRun> runs) {
     const NvtxRange range("attention");
     const HParams &hp = model_.hp();
     const DevLayer &l = layers_[size_t(il)];
@@ -454,9 +484,13 @@ void GpuContext::attention_block(int64_t il, int64_t n) {
     const int32_t *pos = tok_dev_ + params_.n_batch;
 
     cuda::rms_norm(x_, l.attn_norm, n, hp.n_embd, hp.rms_eps, hb_, s);
-    float *kc = k_cache_ + il * params_.n_ctx * n_kv, *vc = v_cache_ + il * params_.n_ctx * n_kv;
-    // The new keys and values go straight to their cache rows (positions n_past .. n_past + n - 1).
-    float *k_new = kc + n_past_ * n_kv, *v_new = vc + n_past_ * n_kv;
+    const int64_t seq_stride = params_.n_ctx * n_kv;  // one sequence's cache of one layer
+    float *kc = k_cache_ + il * params_.n_seq * seq_stride, *vc = v_cache_ + il * params_.n_seq * seq_stride;
+    // One run writes its new keys and values straight to their cache rows; several go through k_new_/v_new_
+    // and one scatter each (the projections stay one matmul over the whole pass).
+    const bool direct = runs.size() == 1;
+    float *k_new = direct ? kc + runs[0].seq * seq_stride + runs[0].pos0 * n_kv : k_new_;
+    float *v_new = direct ? vc + runs[0].seq * seq_stride + runs[0].pos0 * n_kv : v_new_;
     matmul(l.wq, hb_, n, q_);
     matmul(l.wk, hb_, n, k_new);
     matmul(l.wv, hb_, n, v_new);
@@ -474,8 +508,19 @@ void GpuContext::attention_block(int64_t il, int64_t n) {
     }
     cuda::rope(q_, n, hp.n_head, hp.head_dim, pos, hp.rope_freq_base, hp.rope_mode, s);
     cuda::rope(k_new, n, hp.n_head_kv, hp.head_dim, pos, hp.rope_freq_base, hp.rope_mode, s);
-    cuda::attention(q_, kc, vc, n, n_past_, hp.n_head, hp.n_head_kv, hp.head_dim,
-                    1.0f / std::sqrt(float(hp.head_dim)), attn_, ws_, s);
+    if (!direct) {
+        const int32_t *cache_rows = tok_dev_ + 2 * params_.n_batch;
+        cuda::scatter_rows(k_new_, n, n_kv, cache_rows, kc, s);
+        cuda::scatter_rows(v_new_, n, n_kv, cache_rows, vc, s);
+    }
+    const int64_t n_q_row = hp.n_head * hp.head_dim;
+    int64_t t0 = 0;
+    for (const SeqRun &r : runs) {
+        cuda::attention(q_ + t0 * n_q_row, kc + r.seq * seq_stride, vc + r.seq * seq_stride, r.n, r.pos0, hp.n_head,
+                        hp.n_head_kv, hp.head_dim, 1.0f / std::sqrt(float(hp.head_dim)), attn_ + t0 * n_q_row, ws_,
+                        s);
+        t0 += r.n;
+    }
     matmul(l.wo, attn_, n, tmp_);
     cuda::add(x_, tmp_, x_, n * hp.n_embd, s);
 }
@@ -521,17 +566,20 @@ void GpuContext::moe_block(int64_t il, int64_t n) {
     cuda::add(x_, tmp_, x_, n * hp.n_embd, stream());
 }
 
-void GpuContext::output_head(int64_t first, int64_t rows, float *logits_out) {
+void GpuContext::output_head(int64_t n_rows, float *logits_out) {
     const NvtxRange range("output head");
     const HParams &hp = model_.hp();
-    for (int64_t r0 = first; r0 < first + rows; r0 += kLogitRows) {
-        const int64_t m = std::min(kLogitRows, first + rows - r0);
-        cuda::rms_norm(x_ + r0 * hp.n_embd, output_norm_, m, hp.n_embd, hp.rms_eps, hb_, stream());
+    const int32_t *rows = tok_dev_ + 3 * params_.n_batch;
+    for (int64_t r0 = 0; r0 < n_rows; r0 += kLogitRows) {
+        const int64_t m = std::min(kLogitRows, n_rows - r0);
+        // The wanted rows of the residual stream, gathered (F32 -> F32), then norm and head on m rows.
+        cuda::convert_rows(DType::F32, x_, hp.n_embd, rows + r0, params_.n_batch, m, DType::F32, tmp_, stream());
+        cuda::rms_norm(tmp_, output_norm_, m, hp.n_embd, hp.rms_eps, hb_, stream());
         matmul(output_, hb_, m, logits_dev_);
         backend_->copy_d2h_async(logits_host_, logits_dev_, size_t(m * hp.n_vocab) * 4, compute_);
         backend_->event_record(logits_ready_, compute_);
         backend_->event_synchronize(logits_ready_);
-        std::memcpy(logits_out + (r0 - first) * hp.n_vocab, logits_host_, size_t(m * hp.n_vocab) * 4);
+        std::memcpy(logits_out + r0 * hp.n_vocab, logits_host_, size_t(m * hp.n_vocab) * 4);
     }
 }
 

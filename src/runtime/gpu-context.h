@@ -27,18 +27,19 @@ namespace prescope {
 /// and once per batch that returns logits.
 class GpuContext final : public Engine {
   public:
-    /// Throws prescope::Error: n_seq other than 1 or deterministic (not yet on the GPU); no CUDA device; unsupported shapes (router over 1024 experts, top-k over 32,
-    /// head sizes the attention kernel lacks); not enough device memory (with the sizes of each part);
+    /// Throws prescope::Error: deterministic (batch-invariant kernels are CPU-only, decision 0130); no CUDA
+    /// device; unsupported shapes (router over 1024 experts, top-k over 32, head sizes the attention kernel lacks); not enough device memory (with the sizes of each part);
     /// an expert budget below one layer's top-k (with the minimum); a bad placement or routing trace file.
     GpuContext(const Model &model, ContextParams params, const OffloadConfig &config);
     ~GpuContext() override;
 
     void eval(std::span<const int32_t> tokens, bool all_logits = false) override;
-    /// For now one sequence (n_seq 1): the entry of sequence 0, as eval().
+    /// As Context::eval_batch: projections, router and MoE block (with its offloading plan) over every entry's
+    /// tokens together; attention per run of one sequence against that sequence's KV cache.
     void eval_batch(std::span<const SeqTokens> batch) override;
     const std::vector<float> &logits() const override { return logits_; }
-    int64_t n_seq() const override { return 1; }
-    int64_t n_past() const override { return n_past_; }
+    int64_t n_seq() const override { return params_.n_seq; }
+    int64_t n_past() const override { return n_past_[0]; }
     int64_t n_past(int32_t seq) const override;
     int64_t n_ctx() const override { return params_.n_ctx; }
     void clear() override;
@@ -74,17 +75,21 @@ class GpuContext final : public Engine {
     void release() noexcept;
     RoutingBlock routing_block(int64_t n_tok) const;
     void upload_weights();
-    void forward_batch(const int32_t *tokens, int64_t n, bool all_logits, float *logits_out);
-    void attention_block(int64_t il, int64_t n);
+    /// One forward pass over tokens[0, n) made of `runs`; logits_out receives [out_rows][n_vocab].
+    void forward_pass(const int32_t *tokens, int64_t n, std::span<const SeqRun> runs,
+                      std::span<const int64_t> out_rows, float *logits_out);
+    void attention_block(int64_t il, int64_t n, std::span<const SeqRun> runs);
     void moe_block(int64_t il, int64_t n);
-    void output_head(int64_t first, int64_t rows, float *logits_out);
+    /// Logits of the pass rows `rows` (pass-local token indices on the host; their copy is in tok_dev_).
+    void output_head(int64_t n_rows, float *logits_out);
     void matmul(const DevMatrix &w, const float *x, int64_t n_tok, float *y);
     cudaStream_t stream() const { return CudaBackend::cuda_stream(compute_); }
 
     const Model &model_;
     ContextParams params_;
     OffloadConfig config_;
-    int64_t n_past_ = 0;
+    std::vector<int64_t> n_past_;  // [n_seq] tokens in each sequence's KV cache
+    BatchScratch scratch_;         // eval/eval_batch: one pass's tokens, runs and logits rows
     std::vector<float> logits_;
 
     std::unique_ptr<CudaBackend> backend_;
@@ -106,11 +111,13 @@ class GpuContext final : public Engine {
     float *q_ = nullptr;         // [n_batch][n_head * head_dim]
     float *attn_ = nullptr;      // [n_batch][n_head * head_dim]
     float *tmp_ = nullptr;       // [n_batch][n_embd] block output before the residual add
-    float *k_cache_ = nullptr;   // [n_layer][n_ctx][n_head_kv * head_dim]
+    float *k_cache_ = nullptr;   // [n_layer][n_seq][n_ctx][n_head_kv * head_dim]
     float *v_cache_ = nullptr;
     float *router_logits_ = nullptr;  // [n_batch][n_expert]
     uint8_t *routing_dev_ = nullptr;  // RoutingBlock for n_batch tokens: h, ids, weights, shared gate logits
-    int32_t *tok_dev_ = nullptr;   // [2][n_batch]: token ids, then positions
+    float *k_new_ = nullptr;     // [n_batch][n_head_kv * head_dim] new keys of a pass of several runs, before the
+    float *v_new_ = nullptr;     //   scatter into their sequences' cache rows (one run writes its rows directly)
+    int32_t *tok_dev_ = nullptr;   // [4][n_batch]: token ids, positions, KV cache rows, rows whose logits are wanted
     float *logits_dev_ = nullptr;  // [kLogitRows][n_vocab]
     cuda::Workspace ws_;
     // Pinned host mirrors.

@@ -14,6 +14,7 @@
 #include "runtime/engine.h"
 #include "runtime/gpu-context.h"
 #include "runtime/sampler.h"
+#include "runtime/tokenizer.h"
 
 #include <unistd.h>
 #include <gtest/gtest.h>
@@ -209,6 +210,106 @@ TEST(GpuOffload, DemoModelCpuAndGpuAgree) {
         EXPECT_EQ(greedy(few, prompt, 32, n_vocab).tokens, want) << f << " with few slots";
         std::fprintf(stderr, "%s, %lld slots per layer:\n%s", f.filename().c_str(),
                      (long long)(model->hp().n_expert_used + 1), few.stats_text().c_str());
+    }
+}
+
+namespace {
+
+/// Steps of a greedy run whose top-1 logit leads the runner-up by at least `margin`, counted from the first
+/// step up to the first that does not (a near-tie there may fall either way on another summation order).
+size_t clear_steps(const Greedy &g, int64_t n_vocab, float margin) {
+    size_t i = 0;
+    for (; i < g.tokens.size(); ++i) {
+        const float *l = g.logits.data() + i * size_t(n_vocab);
+        float best = -INFINITY, second = -INFINITY;
+        for (int64_t v = 0; v < n_vocab; ++v) {
+            if (l[v] > best) {
+                second = best;
+                best = l[v];
+            } else if (l[v] > second) {
+                second = l[v];
+            }
+        }
+        if (best - second < margin) break;
+    }
+    return i;
+}
+
+} // namespace
+
+// Several sequences in one GpuContext (the server's slots): prefills and decodes of three prompts mixed in
+// passes (a prefill split across two passes by -b 32) give each sequence the greedy tokens of the CPU engine
+// running it alone, at a full budget and at one where misses are fetched or run on the CPU (the plan sees
+// the whole pass). Compared up to the CPU run's first step with a top-1 margin under 0.05: a pass of more
+// than 32 tokens takes the cuBLAS path with BF16 activations (decision 0040), which may flip a near-tie.
+TEST(GpuOffload, SeveralSequencesEachEqualTheCpuAlone) {
+    const fs::path f = fs::path(PRESCOPE_SOURCE_DIR) / "models/demo/demo-q8_0.gguf";
+    if (!fs::exists(f)) GTEST_SKIP() << "no " << f;
+    const auto model = Model::load(f.string());
+    const int64_t n_vocab = model->hp().n_vocab;
+    const Tokenizer tok = Tokenizer::from_gguf(model->file());
+    const std::vector<std::vector<int32_t>> prompts = {
+        tok.encode("The Debian project is", true, false),
+        tok.encode("Linux is a family of open-source Unix-like operating systems based on the Linux kernel, an "
+                   "operating system kernel", true, false),
+        tok.encode("The history of the city begins in the Roman period, when a small settlement grew up on the "
+                   "banks of the river. In the Middle Ages the town became an important market", true, false)};
+    ASSERT_GT(prompts[0].size() + prompts[1].size(), 32u);
+    const size_t n_gen = 16;
+    const float kMargin = 0.05f;
+    std::vector<Greedy> want;
+    for (const auto &p : prompts) {
+        CpuEngine cpu(*model, {128, 512}, OffloadConfig{});
+        want.push_back(greedy(cpu, p, n_gen, n_vocab));
+    }
+    for (int64_t slots : {model->hp().n_expert, model->hp().n_expert_used + 1}) {
+        GpuContext gpu(*model, {128, 32, 3}, offload(*model, slots, slots == model->hp().n_expert ? 0 : 2));
+        ASSERT_EQ(gpu.n_seq(), 3);
+        std::vector<std::vector<int32_t>> got(3);
+        auto take = [&](std::span<const int32_t> seqs) {  // one logits row per listed sequence, in order
+            for (size_t i = 0; i < seqs.size(); ++i) {
+                got[size_t(seqs[i])].push_back(argmax(gpu.logits().data() + int64_t(i) * n_vocab, n_vocab));
+            }
+        };
+        // Pass 1: sequences 0 and 1 prefill (more than -b 32 tokens: split). Pass 2: sequence 2 prefills while
+        // 0 and 1 decode. Then all three decode together; a sequence that has its n_gen tokens leaves.
+        const SeqTokens first[2] = {{0, prompts[0]}, {1, prompts[1]}};
+        gpu.eval_batch(first);
+        const int32_t s01[2] = {0, 1};
+        take(s01);
+        const int32_t t0 = got[0].back(), t1 = got[1].back();
+        const SeqTokens second[3] = {{2, prompts[2]}, {0, {&t0, 1}}, {1, {&t1, 1}}};
+        gpu.eval_batch(second);
+        const int32_t s201[3] = {2, 0, 1};
+        take(s201);
+        while (true) {
+            std::vector<SeqTokens> step;
+            std::vector<int32_t> seqs;
+            for (int32_t s = 0; s < 3; ++s) {
+                if (got[size_t(s)].size() < n_gen) {
+                    step.push_back({s, {&got[size_t(s)].back(), 1}});
+                    seqs.push_back(s);
+                }
+            }
+            if (step.empty()) break;
+            gpu.eval_batch(step);
+            take(seqs);
+        }
+        for (size_t s = 0; s < 3; ++s) {
+            const size_t n_cmp = clear_steps(want[s], n_vocab, kMargin);
+            EXPECT_GE(n_cmp, 4u) << "sequence " << s << ": the CPU run has a near-tie within 4 steps";
+            EXPECT_EQ(std::vector<int32_t>(got[s].begin(), got[s].begin() + ptrdiff_t(n_cmp)),
+                      std::vector<int32_t>(want[s].tokens.begin(), want[s].tokens.begin() + ptrdiff_t(n_cmp)))
+                << "sequence " << s << ", " << slots << " slots, first " << n_cmp << " steps";
+            std::fprintf(stderr, "sequence %zu, %lld slots: %zu of %zu steps above the margin, all equal: %s\n", s,
+                         (long long)slots, n_cmp, n_gen, got[s] == want[s].tokens ? "yes" : "no");
+        }
+        EXPECT_EQ(gpu.n_past(2), int64_t(prompts[2].size() + n_gen - 1));
+        gpu.clear(1);
+        EXPECT_EQ(gpu.n_past(1), 0);
+        EXPECT_EQ(gpu.n_past(0), int64_t(prompts[0].size() + n_gen - 1));
+        const SeqTokens bad[1] = {{3, prompts[0]}};
+        EXPECT_THROW(gpu.eval_batch(bad), Error);
     }
 }
 

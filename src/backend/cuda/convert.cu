@@ -73,4 +73,25 @@ void get_rows(DType type, const void *table, int64_t n_embd, int64_t n_vocab, co
     convert_rows(type, table, n_embd, ids, n_vocab, n_tok, DType::F32, out, stream);
 }
 
+namespace {
+
+__global__ void __launch_bounds__(kConvertThreads)
+    scatter_rows_kernel(const float4 *__restrict__ src, int64_t n4, int64_t n_rows, const int32_t *__restrict__ rows,
+                        float4 *__restrict__ dst) {
+    const int64_t c = int64_t(blockIdx.x) * kConvertThreads + threadIdx.x;
+    if (c >= n4) return;
+    for (int64_t r = blockIdx.y; r < n_rows; r += gridDim.y) dst[int64_t(rows[r]) * n4 + c] = src[r * n4 + c];
+}
+
+} // namespace
+
+void scatter_rows(const float *src, int64_t n_rows, int64_t n, const int32_t *rows, float *dst, cudaStream_t stream) {
+    CUDA_ASSERT(n % 4 == 0);
+    if (n_rows == 0) return;
+    const dim3 grid(unsigned(ceil_div(n / 4, kConvertThreads)), unsigned(n_rows < kMaxGridY ? n_rows : kMaxGridY));
+    scatter_rows_kernel<<<grid, kConvertThreads, 0, stream>>>(reinterpret_cast<const float4 *>(src), n / 4, n_rows, rows,
+                                                            reinterpret_cast<float4 *>(dst));
+    CUDA_CHECK(cudaGetLastError());
+}
+
 } // namespace prescope::cuda

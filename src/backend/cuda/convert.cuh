@@ -25,4 +25,9 @@ void convert_rows(DType type, const void *src, int64_t n, const int32_t *ids, in
 void get_rows(DType type, const void *table, int64_t n_embd, int64_t n_vocab, const int32_t *ids, int64_t n_tok,
               float *out, cudaStream_t stream);
 
+/// The inverse gather: dst row rows[r] = src row r for r < n_rows (a pass's new keys and values into their
+/// sequences' KV cache rows). src: [n_rows][n] F32; rows: [n_rows] int32 on the device, distinct, each a row of
+/// dst; n a multiple of 4, src and dst 16-byte aligned. Async on `stream`.
+void scatter_rows(const float *src, int64_t n_rows, int64_t n, const int32_t *rows, float *dst, cudaStream_t stream);
+
 } // namespace prescope::cuda
