@@ -413,6 +413,16 @@ TEST(GpuOffload, BadStatesAreClearErrors) {
     }
     EXPECT_GE(cache["pool_bytes"].get<uint64_t>(), all_experts);
     EXPECT_LT(cache["pool_bytes"].get<uint64_t>(), uint64_t(1) << 40);
+    // --deterministic is the CPU's (decision 0130); a KV cache past int32 rows is refused before allocating.
+    for (const ContextParams p : {ContextParams{32, 4, 1, true}, ContextParams{int64_t(1) << 30, 4, 4, false}}) {
+        try {
+            GpuContext refused(*model, p, c);
+            FAIL() << "no error for n_seq " << p.n_seq;
+        } catch (const Error &e) {
+            EXPECT_NE(std::string(e.what()).find(p.deterministic ? "--deterministic" : "n_seq"), std::string::npos)
+                << e.what();
+        }
+    }
 }
 
 int main(int argc, char **argv) {
