@@ -32,6 +32,8 @@ constexpr std::array kFields = {
     LayerStatsField{"predict_us", nullptr, nullptr, &S::predict_us, kMs},
     LayerStatsField{"wait_issue_us", nullptr, nullptr, &S::wait_issue_us, kMs},
     LayerStatsField{"device_stall_us", nullptr, nullptr, &S::device_stall_us, kMs},
+    LayerStatsField{"host_us", "host ms", nullptr, &S::host_us, kMs},
+    LayerStatsField{"gpu_idle_us", "idle ms", nullptr, &S::gpu_idle_us, kMs},
     LayerStatsField{"prefetch_planned", nullptr, &S::prefetch_planned, nullptr, 1},
     LayerStatsField{"corrections", "corr", &S::corrections, nullptr, 1},
     LayerStatsField{"predicted_us", nullptr, nullptr, &S::predicted_us, kMs},

@@ -35,6 +35,10 @@ struct LayerStats {
     double predict_us = 0;               // predictor + prefetch submission
     double wait_issue_us = 0;            // host blocked until demand copies were issued (also in stall_us)
     double device_stall_us = 0;          // compute stream waiting for expert bytes (event-timed; in stall_us)
+    double host_us = 0;                  // host wall time of the layer's MoE step (plan, copies, launches, CPU
+                                         // experts, combine; HybridMoe::run_layer)
+    double gpu_idle_us = 0;              // compute stream idle from the routing's copy to the host until the step's
+                                         // first queued work: waiting for the host's plan (event-timed, timed steps)
     // scheduler and load balancer
     uint64_t prefetch_planned = 0;       // prefetches the plans asked for
     uint64_t corrections = 0;            // cost-model corrections made from this layer's measurements

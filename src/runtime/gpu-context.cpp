@@ -542,6 +542,7 @@ void GpuContext::moe_block(int64_t il, int64_t n) {
         if (hp.shared_expert) matmul(l.gate_inp_shexp, h, n, reinterpret_cast<float *>(routing_dev_ + b.shared_gate));
         // The one device-to-host copy and the one wait of the layer: routing, router input, shared gate.
         backend_->copy_d2h_async(routing_host_, routing_dev_, b.bytes, compute_);
+        moe_->mark_routing_copied(int32_t(il), compute_);
         backend_->event_record(routing_ready_, compute_);
         backend_->event_synchronize(routing_ready_);
     }
@@ -666,6 +667,13 @@ std::string GpuContext::stats_text() const {
     out += fmt::format("host: CPU experts {:.1f} ms, predictor and prefetch {:.1f} ms | streamed {} experts in {} "
                        "waves | split layers {}\n",
                        t.cpu_expert_us * 1e-3, t.predict_us * 1e-3, t.streamed, t.stream_waves, t.split_steps);
+    // Where a token's time goes besides the GPU's own work (issue 14): the host's MoE steps, and the compute
+    // stream waiting for the host's plan or for expert bytes (both event-timed on timed steps).
+    const double per_token = tokens > 0 ? 1e-3 / double(tokens) : 0.0;
+    out += fmt::format("per token: host MoE steps {:.3f} ms ({:.1f} us per layer step) | GPU idle {:.3f} ms waiting for "
+                       "the host's plan + {:.3f} ms waiting for expert bytes\n",
+                       t.host_us * per_token, t.steps ? t.host_us / double(t.steps) : 0.0, t.gpu_idle_us * per_token,
+                       t.device_stall_us * per_token);
     const CostCorrections &k = moe_->planner()->balancer().corrections();
     out += fmt::format("scheduler: predicted critical path {:.2f} ms, CPU-GPU finish gap {:.2f} ms (|gap| {:.2f} ms), "
                        "prefetches planned {}, corrections {} (now cpu x{:.3f} gpu x{:.3f} link x{:.3f})\n",

@@ -102,11 +102,12 @@ HybridMoe::HybridMoe(const Model &model, const ExpertStore &store, const Placeme
     prefetch_slots_.reserve(window * E);
 
     if (backend_ && loader_) {
-        for (auto *events : {&stall_begin_, &stall_end_, &gpu_done_}) {
+        for (auto *events : {&stall_begin_, &stall_end_, &gpu_done_, &routing_copied_}) {
             events->resize(size_t(hp.n_layer));
             for (Event &e : *events) e = backend_->event_create();
         }
         timing_pending_.assign(size_t(hp.n_layer), 0);
+        routing_marked_.assign(size_t(hp.n_layer), 0);
         pending_simple_.assign(size_t(hp.n_layer), 0);
         pending_cpu_end_us_.assign(size_t(hp.n_layer), -1);
         pending_gpu_predicted_us_.assign(size_t(hp.n_layer), -1);
@@ -115,7 +116,7 @@ HybridMoe::HybridMoe(const Model &model, const ExpertStore &store, const Placeme
 }
 
 HybridMoe::~HybridMoe() {
-    for (auto *events : {&stall_begin_, &stall_end_, &gpu_done_}) {
+    for (auto *events : {&stall_begin_, &stall_end_, &gpu_done_, &routing_copied_}) {
         for (Event e : *events) backend_->event_destroy(e);
     }
 }
@@ -299,6 +300,11 @@ void HybridMoe::collect_timings() {
         if (!timing_pending_[l] || !backend_->event_query(gpu_done_[l])) continue;
         timing_pending_[l] = 0;
         LayerStats &st = cache_->layer_stats(int32_t(l));
+        if (routing_marked_[l]) {
+            const double idle = backend_->event_elapsed_us(routing_copied_[l], stall_begin_[l]);
+            if (idle > 0) st.gpu_idle_us += idle;
+            routing_marked_[l] = 0;
+        }
         const double stall = backend_->event_elapsed_us(stall_begin_[l], stall_end_[l]);
         if (stall > 0) {
             cache_->record_stall(int32_t(l), stall);
@@ -328,6 +334,17 @@ void HybridMoe::collect_timings() {
             planner_->observe(m, cache_->layer_stats(cache_->n_layers() - 1));
         }
         copy_seen_ = now;
+    }
+}
+
+void HybridMoe::mark_routing_copied(int32_t layer, Stream stream) {
+    if (timing_pending_.empty()) return;
+    const auto l = size_t(layer);
+    if (timing_pending_[l]) collect_timings();
+    // Only a step that will be timed (its previous timings collected) marks: run_layer records its events then.
+    if (!timing_pending_[l]) {
+        backend_->event_record(routing_copied_[l], stream);
+        routing_marked_[l] = 1;
     }
 }
 
@@ -426,6 +443,7 @@ void HybridMoe::run_layer(int32_t layer, const float *h, const Routing &r, std::
     step(LayerStep::MEASURE);
     if (LayerStats *st = stats(layer)) {
         ++st->steps;
+        st->host_us += now_us() - layer_t0_us_;
         st->split_steps += plan_.split;
         st->predicted_us += plan_.predicted.critical_us;
         LayerMeasurement m;

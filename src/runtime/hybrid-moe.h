@@ -129,6 +129,10 @@ class HybridMoe {
     /// returns; r: the routing (ids, weights) of those tokens; shared_gate: [r.n_tok] shared-expert gate
     /// logits when the device runs the shared expert, else empty. Queues the combined output on the device.
     void run_layer(int32_t layer, const float *h, const Routing &r, std::span<const float> shared_gate);
+    /// Marks, on `stream`, the point where the layer's routing has been copied to the host (call before waiting
+    /// for it): the compute stream is idle from there until run_layer queues the layer's first work, which is
+    /// LayerStats::gpu_idle_us. Collects the layer's previous timings first when they are complete.
+    void mark_routing_copied(int32_t layer, Stream stream);
     /// Reads the device timings of layers whose events completed (stall, GPU finish) and the copy engine's
     /// speed, and hands them to the load balancer (call after a step's final sync).
     void collect_timings();
@@ -188,6 +192,8 @@ class HybridMoe {
     double host_us_estimate_ = 0; // moving average of predictor + prefetch time
     // Device timings, read one step later: events around the copy waits and after the last launch.
     std::vector<Event> stall_begin_, stall_end_, gpu_done_;  // [n_layers]
+    std::vector<Event> routing_copied_;                       // [n_layers] mark_routing_copied
+    std::vector<uint8_t> routing_marked_;                     // [n_layers] routing_copied_ belongs to this step
     std::vector<uint8_t> timing_pending_;                     // [n_layers]
     std::vector<double> pending_cpu_end_us_, pending_gpu_predicted_us_;
     std::vector<uint8_t> pending_simple_;                     // [n_layers] one wave, no split: compute is timed
