@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -69,6 +70,8 @@ struct HParams {
     int64_t head_dim_nope = 0;  // key_length_mla - rope.dimension_count: query/key head part without RoPE
     int64_t head_dim_rope = 0;  // {arch}.rope.dimension_count: the rotated part, shared by all heads for keys
     int64_t head_dim_v = 0;     // {arch}.attention.value_length_mla: value head size after attn_v_b
+    float kq_scale = 0.0f;      // MLA score scale: mscale^2 / sqrt(head_dim_nope + head_dim_rope) (arch/deepseek2.cpp)
+    std::optional<cpu::RopeYarn> rope_yarn;  // {arch}.rope.scaling.type "yarn" (MLA only so far)
 };
 
 /// Weights of one transformer block. 1-D weights are F32 pointers (converted once at load when the

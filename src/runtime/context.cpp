@@ -252,8 +252,9 @@ void Context::mla_attention_block(int64_t il, int64_t n) {
         std::copy_n(row + r, rope, k_pe + t * rope);
         for (int64_t j = 0; j < n_head; ++j) std::copy_n(q + (t * n_head + j) * dq + nope, rope, q_pe + (t * n_head + j) * rope);
     }
-    cpu::rope(k_pe, n, 1, rope, pos_.data(), hp.rope_freq_base, hp.rope_mode);
-    cpu::rope(q_pe, n, n_head, rope, pos_.data(), hp.rope_freq_base, hp.rope_mode);
+    const cpu::RopeYarn *yarn = hp.rope_yarn ? &*hp.rope_yarn : nullptr;
+    cpu::rope(k_pe, n, 1, rope, pos_.data(), hp.rope_freq_base, hp.rope_mode, yarn);
+    cpu::rope(q_pe, n, n_head, rope, pos_.data(), hp.rope_freq_base, hp.rope_mode, yarn);
     for (int64_t t = 0; t < n; ++t) std::copy_n(k_pe + t * rope, rope, rows + t * dkv + r);
 
     // Absorbed queries in q_: [n][n_head][r + rope].
@@ -267,7 +268,7 @@ void Context::mla_attention_block(int64_t il, int64_t n) {
             std::copy_n(q_pe + (t * n_head + j) * rope, rope, dst + r);
         }
     }
-    cpu::attention(qabs, kc, kc, n, n_past_, n_head, 1, dkv, 1.0f / std::sqrt(float(dq)), attn_.data());
+    cpu::attention(qabs, kc, kc, n, n_past_, n_head, 1, dkv, hp.kq_scale, attn_.data());
     for (int64_t j = 0; j < n_head; ++j) {
         for (int64_t t = 0; t < n; ++t) std::copy_n(attn_.data() + (t * n_head + j) * dkv, r, g_in + t * r);
         cpu::matmul(l.wv_b, g_in, n, g_out, j);

@@ -132,6 +132,7 @@ class MlaParams:
     scale: float
     n_group: int | None
     topk_group: int | None
+    yarn: dict[str, Any] | None  # rope_parameters of rope_type "yarn"
 
 
 def read_mla(config: dict[str, Any], path: Path, hf_arch: str) -> MlaParams:
@@ -143,7 +144,16 @@ def read_mla(config: dict[str, Any], path: Path, hf_arch: str) -> MlaParams:
                   n_shared=_cfg(config, path, "n_shared_experts", default=0),
                   scale=_cfg(config, path, "routed_scaling_factor", default=1.0, kind=float),
                   n_group=_cfg(config, path, "n_group", default=None),
-                  topk_group=_cfg(config, path, "topk_group", default=None))
+                  topk_group=_cfg(config, path, "topk_group", default=None), yarn=None)
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type")) == "yarn":
+        # llama.cpp runs deepseek2 YaRN with cos/sin unscaled and mscale(mscale_all_dim)^2 on the scores, which
+        # is HF's formula only when mscale == mscale_all_dim and no explicit attention_factor is given.
+        if (rope.get("mscale") is None or rope.get("mscale") != rope.get("mscale_all_dim")
+                or rope.get("attention_factor") is not None or rope.get("factor") is None):
+            raise ConvertError(f"{path}: YaRN rope parameters {rope} are not supported (expected a factor and "
+                               f"mscale == mscale_all_dim, no attention_factor)")
+        m.yarn = rope
     method = config.get("topk_method")
     if hf_arch == "DeepseekV2ForCausalLM" and method not in (None, "greedy"):
         # HF DeepseekV2 ranks groups by their best expert, llama.cpp's expert_group_count by the two best.
@@ -171,8 +181,10 @@ def read_hparams(config: dict[str, Any], path: Path, hf_arch: str) -> HParams:
     """Reads and checks config.json; rejects features the GGUF architectures cannot express."""
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", None):
-        raise ConvertError(f"{path}: rope type {rope_type!r} is not supported (only unscaled RoPE)")
+    spec = ARCHS[hf_arch]
+    if rope_type not in ("default", None) and not (rope_type == "yarn" and spec.gguf_arch == "deepseek2"):
+        raise ConvertError(f"{path}: rope type {rope_type!r} is not supported (only unscaled RoPE; YaRN for "
+                           f"DeepSeek)")
     rope_theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
     if config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1:
         raise ConvertError(f"{path}: dense layers (mlp_only_layers / decoder_sparse_step) are not supported")
@@ -181,7 +193,6 @@ def read_hparams(config: dict[str, Any], path: Path, hf_arch: str) -> HParams:
     n_embd = _cfg(config, path, "hidden_size")
     n_head = _cfg(config, path, "num_attention_heads")
     head_dim = config.get("head_dim")
-    spec = ARCHS[hf_arch]
     norm_topk = True if hf_arch == "MixtralForCausalLM" else _cfg(config, path, "norm_topk_prob", kind=bool)
     hp = HParams(
         n_vocab=_cfg(config, path, "vocab_size"),
@@ -443,6 +454,15 @@ def write_mla_hparams(w: gguf.GGUFWriter, hp: HParams, spec: ArchSpec) -> None:
     w.add_expert_shared_count(m.n_shared)
     w.add_expert_weights_scale(m.scale)
     w.add_rope_dimension_count(m.rope)
+    if m.yarn is not None:  # llama.cpp TextModel (type, factor, length, betas) + DeepseekV2Model (log multiplier)
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(float(m.yarn["factor"]))
+        w.add_rope_scaling_orig_ctx_len(int(m.yarn["original_max_position_embeddings"]))
+        if m.yarn.get("beta_fast") is not None:
+            w.add_rope_scaling_yarn_beta_fast(float(m.yarn["beta_fast"]))
+        if m.yarn.get("beta_slow") is not None:
+            w.add_rope_scaling_yarn_beta_slow(float(m.yarn["beta_slow"]))
+        w.add_rope_scaling_yarn_log_mul(0.1 * float(m.yarn["mscale_all_dim"]))
     if m.n_group is not None:
         w.add_expert_group_count(m.n_group)
     if m.topk_group is not None:

@@ -94,7 +94,8 @@ TINY = {
         norm_topk_prob=False, rms_norm_eps=1e-5, rope_theta=1e4, tie_word_embeddings=False)),
 }
 # DeepSeek: q-LoRA, sigmoid scores + selection bias + 4 groups of 2 (2 used), a dense first layer and one shared
-# expert (V3 / Kimi-K2 layout); V2-Lite: plain q, softmax, two shared experts, no renormalisation. rms_norm_eps
+# expert, YaRN as in DeepSeek-V3's config (V3 / Kimi-K2 layout); V2-Lite: plain q, softmax, two shared experts,
+# no renormalisation, plain RoPE. rms_norm_eps
 # 1e-6 because HF's q_a/kv_a norms always use 1e-6 while llama.cpp uses the file's epsilon for every norm.
 DEEPSEEK = dict(vocab_size=N_VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=4,
                 num_key_value_heads=4, n_routed_experts=8, kv_lora_rank=32, qk_rope_head_dim=8, v_head_dim=16,
@@ -102,7 +103,9 @@ DEEPSEEK = dict(vocab_size=N_VOCAB, hidden_size=64, intermediate_size=96, moe_in
                 rope_theta=1e4, tie_word_embeddings=False)
 TINY["deepseekv3"] = TinySpec("deepseekv3", "DeepseekV3ForCausalLM", "llama-bpe", dict(
     DEEPSEEK, num_hidden_layers=3, q_lora_rank=32, n_shared_experts=1, routed_scaling_factor=2.5, n_group=4,
-    topk_group=2, num_experts_per_tok=2, norm_topk_prob=True, scoring_func="sigmoid", topk_method="noaux_tc"))
+    topk_group=2, num_experts_per_tok=2, norm_topk_prob=True, scoring_func="sigmoid", topk_method="noaux_tc",
+    rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=40.0, original_max_position_embeddings=4096,
+                         beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)))
 TINY["deepseekv2lite"] = TinySpec("deepseekv2lite", "DeepseekV2ForCausalLM", "llama-bpe", dict(
     DEEPSEEK, num_hidden_layers=3, q_lora_rank=None, n_shared_experts=2, routed_scaling_factor=1.0,
     num_experts_per_tok=3, norm_topk_prob=False, topk_method="greedy"))
