@@ -141,6 +141,10 @@ const float *ArchLoader::vector(const std::string &name, int64_t n, bool optiona
     return buf.data();
 }
 
+float *ArchLoader::owned_f32(size_t n) {
+    return m_.converted_.emplace_back(n).data();
+}
+
 void ArchLoader::bind_embeddings() {
     HParams &hp = m_.hp_;
     const GgufTensorInfo *emb = f_.find_tensor("token_embd.weight");

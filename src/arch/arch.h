@@ -156,6 +156,8 @@ class ArchLoader {
     /// Binds the MoE block of layer il (ffn_norm, router, experts, shared expert if hp().shared_expert,
     /// its gate if hp().shared_expert_gate, exp_probs_b when the file has it).
     void bind_moe(int64_t il);
+    /// n F32 values owned by the model, zeroed: weights an architecture derives at load (arch/deepseek2.cpp).
+    float *owned_f32(size_t n);
     /// Whether matrix() or vector() bound the tensor `name` (Model::load refuses files with unbound tensors).
     bool used(const std::string &name) const { return used_.count(name) != 0; }
 

@@ -9,7 +9,9 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
+#include <vector>
 
 namespace prescope {
 
@@ -31,6 +33,35 @@ void check_rows(const GgufFile &f, const std::string &name, int64_t want, const 
     }
 }
 
+/// Legacy files: attn_kv_b (HF kv_b_proj: per head nope key rows, then v value rows, of kv_lora_rank inputs)
+/// split at load into F32 k_b (transposed per head) and v_b, as llama.cpp's converter splits it now (decision
+/// 0120): n_head * (nope + v) * kv_lora_rank floats per layer owned by the model.
+void split_kv_b(ArchLoader &l, LayerWeights &w, const TensorView &kv_b) {
+    const HParams &hp = l.hp();
+    const int64_t r = hp.kv_lora_rank, nope = hp.head_dim_nope, dv = hp.head_dim_v, n_head = hp.n_head;
+    float *k_b = l.owned_f32(size_t(n_head * r * nope)), *v_b = l.owned_f32(size_t(n_head * dv * r));
+    std::vector<float> row(static_cast<size_t>(r));
+    for (int64_t h = 0; h < n_head; ++h) {
+        for (int64_t i = 0; i < nope + dv; ++i) {
+            dequantize_row(kv_b.type, kv_b.row(h * (nope + dv) + i), row.data(), r);
+            if (i < nope) {
+                for (int64_t c = 0; c < r; ++c) k_b[(h * r + c) * nope + i] = row[size_t(c)];
+            } else {
+                std::copy(row.begin(), row.end(), v_b + (h * dv + i - nope) * r);
+            }
+        }
+    }
+    const auto view = [](const float *data, int64_t n_in, int64_t n_out, int64_t n_mat) {
+        TensorView v;
+        v.type = DType::F32;
+        v.ne = {n_in, n_out, n_mat, 1};
+        v.data = data;
+        return v;
+    };
+    w.wk_b = view(k_b, nope, r, n_head);
+    w.wv_b = view(v_b, r, dv, n_head);
+}
+
 } // namespace
 
 void load_deepseek2(ArchLoader &l) {
@@ -46,18 +77,18 @@ void load_deepseek2(ArchLoader &l) {
     hp.q_lora_rank = int64_t(f.get_u32_or(a + ".attention.q_lora_rank", 0));
     hp.kv_lora_rank = int64_t(f.get_u64(a + ".attention.kv_lora_rank"));
     hp.head_dim_rope = int64_t(f.get_u64(a + ".rope.dimension_count"));
-    if (!f.has(a + ".attention.key_length_mla")) {
-        fail("{}: metadata '{}.attention.key_length_mla' is missing: a file from before llama.cpp split attn_kv_b "
-             "into attn_k_b / attn_v_b (April 2025); convert the model again with a current converter", f.path(), a);
-    }
-    const int64_t head_k = int64_t(f.get_u64(a + ".attention.key_length_mla"));
-    hp.head_dim_v = int64_t(f.get_u64(a + ".attention.value_length_mla"));
-    hp.head_dim_nope = head_k - hp.head_dim_rope;
+    // Files from before llama.cpp split attn_kv_b (April 2025) have no *_mla keys: key/value_length are the
+    // per-head sizes there, and head_count_kv is the head count.
+    const bool legacy = !f.has(a + ".attention.key_length_mla");
     const int64_t key_length = int64_t(f.get_u64(a + ".attention.key_length"));
     const int64_t value_length = int64_t(f.get_u64(a + ".attention.value_length"));
+    const int64_t head_k = legacy ? key_length : int64_t(f.get_u64(a + ".attention.key_length_mla"));
+    hp.head_dim_v = legacy ? value_length : int64_t(f.get_u64(a + ".attention.value_length_mla"));
+    hp.head_dim_nope = head_k - hp.head_dim_rope;
+    if (legacy) hp.n_head_kv = 1;  // computed as MQA over the latent like the split layout
     if (hp.n_head_kv != 1 || hp.kv_lora_rank <= 0 || hp.head_dim_rope <= 0 || hp.head_dim_rope % 2 != 0 ||
-        hp.head_dim_nope <= 0 || hp.head_dim_v <= 0 || key_length != hp.kv_lora_rank + hp.head_dim_rope ||
-        value_length != hp.kv_lora_rank) {
+        hp.head_dim_nope <= 0 || hp.head_dim_v <= 0 ||
+        (!legacy && (key_length != hp.kv_lora_rank + hp.head_dim_rope || value_length != hp.kv_lora_rank))) {
         fail("{}: inconsistent MLA shape: head_count_kv {}, kv_lora_rank {}, rope.dimension_count {} (even), "
              "key_length_mla {}, value_length_mla {}, key_length {}, value_length {} (expected head_count_kv 1, "
              "key_length = kv_lora_rank + rope, value_length = kv_lora_rank, key_length_mla > rope)",
@@ -137,8 +168,12 @@ void load_deepseek2(ArchLoader &l) {
         check_rows(f, p + "attn_kv_a_mqa.weight", hp.kv_lora_rank + hp.head_dim_rope, kv_from);
         w.wkv_a_mqa = l.matrix(p + "attn_kv_a_mqa.weight", {hp.n_embd, hp.kv_lora_rank + hp.head_dim_rope});
         w.kv_a_norm = l.vector(p + "attn_kv_a_norm.weight", hp.kv_lora_rank);
-        w.wk_b = l.matrix(p + "attn_k_b.weight", {hp.head_dim_nope, hp.kv_lora_rank, hp.n_head});
-        w.wv_b = l.matrix(p + "attn_v_b.weight", {hp.kv_lora_rank, hp.head_dim_v, hp.n_head});
+        if (legacy) {
+            split_kv_b(l, w, l.matrix(p + "attn_kv_b.weight", {hp.kv_lora_rank, hp.n_head * (hp.head_dim_nope + hp.head_dim_v)}));
+        } else {
+            w.wk_b = l.matrix(p + "attn_k_b.weight", {hp.head_dim_nope, hp.kv_lora_rank, hp.n_head});
+            w.wv_b = l.matrix(p + "attn_v_b.weight", {hp.kv_lora_rank, hp.head_dim_v, hp.n_head});
+        }
         w.wo = l.matrix(p + "attn_output.weight", {hp.n_head * hp.head_dim_v, hp.n_embd});
         if (il < hp.n_layer_dense) {
             w.ffn_norm = l.vector(p + "ffn_norm.weight", hp.n_embd);

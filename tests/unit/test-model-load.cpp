@@ -115,6 +115,20 @@ TEST(ModelLoad, Deepseek2LoadsAndGivesFiniteLogits) {
     }
 }
 
+// Files from before llama.cpp split attn_kv_b: the loader splits it, so the same weights give the same logits.
+TEST(ModelLoad, Deepseek2LegacyKvBGivesTheLogitsOfTheSplitLayout) {
+    for (uint32_t q_lora_rank : {16u, 0u}) {
+        TinyModelSpec s;
+        s.arch = "deepseek2";
+        s.q_lora_rank = q_lora_rank;
+        const auto split = Model::load(write("ds2-split", s));
+        s.legacy_kv_b = true;
+        const auto legacy = Model::load(write("ds2-legacy", s));
+        EXPECT_EQ(legacy->hp().head_dim, split->hp().head_dim);
+        EXPECT_EQ(max_logit_diff(*legacy, *split), 0.0);
+    }
+}
+
 TEST(ModelLoad, Deepseek2MissingMlaTensor) {
     TinyModelSpec s;
     s.arch = "deepseek2";
