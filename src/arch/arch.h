@@ -24,8 +24,8 @@ enum class QkNorm {
 };
 
 /// Most routed experts per layer a model may have (Model::load refuses more; routing keeps per-token arrays
-/// of this size on the stack).
-constexpr int64_t kMaxExperts = 256;
+/// of this size on the stack). 384: Kimi-K2.
+constexpr int64_t kMaxExperts = 384;
 
 /// Function that turns router logits into expert scores ({arch}.expert_gating_func, llama.cpp
 /// llama_expert_gating_func_type: 1 softmax, 2 sigmoid).

@@ -129,6 +129,19 @@ TEST(ModelLoad, Deepseek2LegacyKvBGivesTheLogitsOfTheSplitLayout) {
     }
 }
 
+// Kimi-K2 has the deepseek2 layout with 384 experts, top-8, one group.
+TEST(ModelLoad, Deepseek2WithKimiK2ExpertCountRuns) {
+    TinyModelSpec s;
+    s.arch = "deepseek2";
+    s.n_expert = 384, s.n_expert_used = 8, s.n_expert_group = 1, s.n_ff = 8;
+    const auto m = Model::load(write("ds2-kimi", s));
+    EXPECT_EQ(m->hp().n_expert, 384);
+    prescope::Context ctx(*m, {16, 4});
+    const std::vector<int32_t> ids = {1, 2, 3, 4, 5};
+    ctx.eval(ids, /*all_logits=*/true);
+    for (float x : ctx.logits()) ASSERT_TRUE(std::isfinite(x));
+}
+
 TEST(ModelLoad, Deepseek2MissingMlaTensor) {
     TinyModelSpec s;
     s.arch = "deepseek2";
