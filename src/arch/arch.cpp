@@ -15,6 +15,7 @@ const std::vector<ArchInfo> &arch_registry() {
         {"qwen2moe", load_qwen2moe},
         {"llama", load_mixtral},
         {"olmoe", load_olmoe},
+        {"deepseek2", load_deepseek2},
     };
     return registry;
 }
@@ -77,19 +78,20 @@ void ArchLoader::read_common_hparams() {
     }
     hp.head_dim = int64_t(f_.get_u32_or(a + ".attention.key_length", uint32_t(hp.n_embd / hp.n_head)));
     const int64_t head_dim_v = int64_t(f_.get_u32_or(a + ".attention.value_length", uint32_t(hp.head_dim)));
-    if (head_dim_v != hp.head_dim || hp.head_dim <= 0 || hp.head_dim % 2 != 0) {
+    // MLA files state the cached latent row as key_length and its value part as value_length (arch/deepseek2.cpp).
+    if (!hp.mla && (head_dim_v != hp.head_dim || hp.head_dim <= 0 || hp.head_dim % 2 != 0)) {
         fail("{}: unsupported head dims: key_length {}, value_length {} (expected equal and even)", f_.path(),
              hp.head_dim, head_dim_v);
     }
-    if (hp.n_expert <= 0 || hp.n_expert_used <= 0 || hp.n_expert_used > hp.n_expert || hp.n_expert > 256) {
+    if (hp.n_expert <= 0 || hp.n_expert_used <= 0 || hp.n_expert_used > hp.n_expert || hp.n_expert > kMaxExperts) {
         fail("{}: '{}' with expert_count {} and expert_used_count {} is not a supported MoE model (expected "
-             "1 <= top-k <= experts <= 256)", f_.path(), a, hp.n_expert, hp.n_expert_used);
+             "1 <= top-k <= experts <= {})", f_.path(), a, hp.n_expert, hp.n_expert_used, kMaxExperts);
     }
     const std::string ff_key = f_.has(a + ".expert_feed_forward_length") ? a + ".expert_feed_forward_length"
                                                                           : a + ".feed_forward_length";
     hp.n_ff_exp = int64_t(f_.get_u64(ff_key));
     hp.norm_topk_prob = f_.get_bool_or(a + ".expert_weights_norm", hp.norm_topk_prob);
-    if (hp.shared_expert) hp.n_ff_shexp = int64_t(f_.get_u64(a + ".expert_shared_feed_forward_length"));
+    if (hp.shared_expert_gate) hp.n_ff_shexp = int64_t(f_.get_u64(a + ".expert_shared_feed_forward_length"));
 }
 
 void ArchLoader::load_standard() {
@@ -137,6 +139,10 @@ const float *ArchLoader::vector(const std::string &name, int64_t n, bool optiona
     std::vector<float> &buf = m_.converted_.emplace_back(size_t(n));
     dequantize_row(v.type, v.data, buf.data(), n);
     return buf.data();
+}
+
+float *ArchLoader::owned_f32(size_t n) {
+    return m_.converted_.emplace_back(n).data();
 }
 
 void ArchLoader::bind_embeddings() {
@@ -193,7 +199,7 @@ void ArchLoader::bind_moe(int64_t il) {
         l.gate_shexp = matrix(p + "ffn_gate_shexp.weight", {hp.n_embd, hp.n_ff_shexp});
         l.up_shexp = matrix(p + "ffn_up_shexp.weight", {hp.n_embd, hp.n_ff_shexp});
         l.down_shexp = matrix(p + "ffn_down_shexp.weight", {hp.n_ff_shexp, hp.n_embd});
-        l.gate_inp_shexp = vector(p + "ffn_gate_inp_shexp.weight", hp.n_embd);
+        if (hp.shared_expert_gate) l.gate_inp_shexp = vector(p + "ffn_gate_inp_shexp.weight", hp.n_embd);
     }
 }
 

@@ -1,5 +1,5 @@
 // Model architectures: hyper-parameters, weight bindings and the registry of supported GGUF
-// architectures (qwen3moe, qwen2moe, llama-with-experts = Mixtral, olmoe). One file per architecture
+// architectures (qwen3moe, qwen2moe, llama-with-experts = Mixtral, olmoe, deepseek2). One file per architecture
 // (docs/style R2) fills these structs; the forward pass (runtime/context) reads only the flags.
 #pragma once
 
@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -20,6 +21,17 @@ enum class QkNorm {
     NONE,
     PER_HEAD,  // Qwen3-MoE: weight [head_dim], applied to each head (HF Qwen3MoeAttention.q_norm)
     FULL,      // OLMoE: weight [n_head * head_dim] / [n_head_kv * head_dim] over the whole projection
+};
+
+/// Most routed experts per layer a model may have (Model::load refuses more; routing keeps per-token arrays
+/// of this size on the stack). 384: Kimi-K2.
+constexpr int64_t kMaxExperts = 384;
+
+/// Function that turns router logits into expert scores ({arch}.expert_gating_func, llama.cpp
+/// llama_expert_gating_func_type: 1 softmax, 2 sigmoid).
+enum class ExpertGating {
+    SOFTMAX,  // softmax over all experts (Qwen, Mixtral, OLMoE, DeepSeek-V2)
+    SIGMOID,  // independent sigmoid per expert (DeepSeek-V3, Kimi-K2)
 };
 
 struct HParams {
@@ -40,8 +52,26 @@ struct HParams {
     cpu::RopeMode rope_mode = cpu::RopeMode::NEOX;
     QkNorm qk_norm = QkNorm::NONE;
     bool qkv_bias = false;
-    bool shared_expert = false;   // qwen2moe: shared expert scaled by sigmoid(ffn_gate_inp_shexp . x)
+    bool shared_expert = false;   // a shared expert that every token runs, beside the routed ones
+    bool shared_expert_gate = false;  // qwen2moe: the shared expert is scaled by sigmoid(ffn_gate_inp_shexp . x)
     bool norm_topk_prob = false;  // renormalise the k routing weights to sum 1 (HF norm_topk_prob)
+    ExpertGating expert_gating = ExpertGating::SOFTMAX;
+    float expert_weights_scale = 1.0f;  // {arch}.expert_weights_scale: routing weights times this (HF routed_scaling_factor)
+    int64_t n_expert_group = 1;       // {arch}.expert_group_count: experts split into this many groups
+    int64_t n_expert_group_used = 1;  // {arch}.expert_group_used_count: top-k only among this many best groups
+    int64_t n_layer_dense = 0;        // {arch}.leading_dense_block_count: first layers with a dense FFN
+    int64_t n_ff = 0;                 // {arch}.feed_forward_length: rows of the dense layers' gate/up matrices
+
+    // Multi-head latent attention (deepseek2; llama.cpp writes it as MQA of one KV head, so n_head_kv = 1 and
+    // head_dim = kv_lora_rank + head_dim_rope: the size of one cached latent row).
+    bool mla = false;
+    int64_t q_lora_rank = 0;    // {arch}.attention.q_lora_rank; 0: a plain attn_q (DeepSeek-V2-Lite)
+    int64_t kv_lora_rank = 0;   // {arch}.attention.kv_lora_rank: compressed KV latent per token
+    int64_t head_dim_nope = 0;  // key_length_mla - rope.dimension_count: query/key head part without RoPE
+    int64_t head_dim_rope = 0;  // {arch}.rope.dimension_count: the rotated part, shared by all heads for keys
+    int64_t head_dim_v = 0;     // {arch}.attention.value_length_mla: value head size after attn_v_b
+    float kq_scale = 0.0f;      // MLA score scale: mscale^2 / sqrt(head_dim_nope + head_dim_rope) (arch/deepseek2.cpp)
+    std::optional<cpu::RopeYarn> rope_yarn;  // {arch}.rope.scaling.type "yarn" (MLA only so far)
 };
 
 /// Weights of one transformer block. 1-D weights are F32 pointers (converted once at load when the
@@ -57,7 +87,17 @@ struct LayerWeights {
     TensorView down_exps;               // [n_ff_exp, n_embd, n_expert]
     TensorView gate_shexp, up_shexp;    // [n_embd -> n_ff_shexp] (shared_expert only)
     TensorView down_shexp;              // [n_ff_shexp -> n_embd]
-    const float *gate_inp_shexp = nullptr;  // [n_embd]: shared-expert gate vector
+    const float *gate_inp_shexp = nullptr;  // [n_embd]: shared-expert gate vector (shared_expert_gate only)
+    const float *exp_probs_b = nullptr;     // [n_expert]: bias added to expert scores for choosing only (optional)
+    TensorView ffn_gate, ffn_up;            // dense layers (il < n_layer_dense): [n_embd -> n_ff]
+    TensorView ffn_down;                    // [n_ff -> n_embd]
+    // MLA (hp.mla): wq is [n_embd -> n_head * (head_dim_nope + head_dim_rope)] when q_lora_rank == 0.
+    TensorView wq_a, wq_b;                  // [n_embd -> q_lora_rank], [q_lora_rank -> n_head * (nope + rope)]
+    const float *q_a_norm = nullptr;        // [q_lora_rank]
+    TensorView wkv_a_mqa;                   // [n_embd -> kv_lora_rank + head_dim_rope]
+    const float *kv_a_norm = nullptr;       // [kv_lora_rank]
+    TensorView wk_b;                        // [head_dim_nope -> kv_lora_rank] per head: ne {nope, kv_lora_rank, n_head}
+    TensorView wv_b;                        // [kv_lora_rank -> head_dim_v] per head: ne {kv_lora_rank, v, n_head}
 };
 
 struct ModelWeights {
@@ -113,8 +153,11 @@ class ArchLoader {
     void bind_embeddings();
     /// Binds attention tensors of layer il (norm, q/k/v/o, biases, q/k norms per hp().qk_norm).
     void bind_attention(int64_t il);
-    /// Binds the MoE block of layer il (ffn_norm, router, experts, shared expert if hp().shared_expert).
+    /// Binds the MoE block of layer il (ffn_norm, router, experts, shared expert if hp().shared_expert,
+    /// its gate if hp().shared_expert_gate, exp_probs_b when the file has it).
     void bind_moe(int64_t il);
+    /// n F32 values owned by the model, zeroed: weights an architecture derives at load (arch/deepseek2.cpp).
+    float *owned_f32(size_t n);
     /// Whether matrix() or vector() bound the tensor `name` (Model::load refuses files with unbound tensors).
     bool used(const std::string &name) const { return used_.count(name) != 0; }
 
@@ -136,5 +179,6 @@ void load_qwen3moe(ArchLoader &l);
 void load_qwen2moe(ArchLoader &l);
 void load_mixtral(ArchLoader &l);
 void load_olmoe(ArchLoader &l);
+void load_deepseek2(ArchLoader &l);
 
 } // namespace prescope

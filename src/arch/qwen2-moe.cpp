@@ -10,6 +10,7 @@ void load_qwen2moe(ArchLoader &l) {
     hp.rope_mode = cpu::RopeMode::NEOX;
     hp.qkv_bias = true;
     hp.shared_expert = true;
+    hp.shared_expert_gate = true;
     hp.norm_topk_prob = false;
     l.load_standard();
 }

@@ -504,6 +504,11 @@ TraceRecorder::TraceRecorder(Context &ctx, std::string model_name, std::string c
     : ctx_(ctx), with_hidden_(with_hidden) {
     const HParams &hp = ctx.model().hp();
     if (hp.n_expert > 256) fail("the trace format stores expert ids as uint8; this model has {} experts", hp.n_expert);
+    if (hp.n_layer_dense > 0) {
+        fail("the trace format has routing for every layer, but this {} model's first {} layer{} dense (no "
+             "router); tracing such models is not supported yet", hp.arch, hp.n_layer_dense,
+             hp.n_layer_dense == 1 ? " is" : "s are");
+    }
     trace_.model = std::move(model_name);
     trace_.arch = hp.arch;
     trace_.created_by = std::move(created_by);

@@ -1,6 +1,7 @@
 // Forward pass of the supported MoE transformers on the CPU backend. Per block (HF
 // Qwen3MoeDecoderLayer and relatives): x += Wo . attn(rope(norm_qk(Wq h)), rope(norm_qk(Wk h)), Wv h)
-// with h = rmsnorm(x); then x += MoE(rmsnorm(x)) (+ sigmoid-gated shared expert for qwen2moe).
+// with h = rmsnorm(x); then x += MoE(rmsnorm(x)) (+ sigmoid-gated shared expert for qwen2moe). deepseek2: MLA
+// attention (mla_attention_block), dense FFN in the leading layers, ungated shared experts.
 #include "runtime/context.h"
 
 #include "core/error.h"
@@ -8,9 +9,23 @@
 #include "core/memory.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 
 namespace prescope {
+
+namespace {
+
+/// Sizes of the MLA scratch regions for nb tokens, in the order mla_attention_block carves them: the full
+/// query, the q-LoRA latent, the query and key rope parts, one head's gathered input and output, the values.
+std::array<int64_t, 7> mla_scratch(const HParams &hp, int64_t nb) {
+    if (!hp.mla) return {};
+    const int64_t nope = hp.head_dim_nope, rope = hp.head_dim_rope, r = hp.kv_lora_rank;
+    return {nb * hp.n_head * (nope + rope), nb * hp.q_lora_rank, nb * hp.n_head * rope, nb * rope,
+            nb * std::max(nope, r), nb * std::max(r, hp.head_dim_v), nb * hp.n_head * hp.head_dim_v};
+}
+
+} // namespace
 
 void warn_beyond_training_context(const HParams &hp, int64_t n_ctx) {
     if (hp.n_ctx_train > 0 && n_ctx > hp.n_ctx_train) {
@@ -37,10 +52,17 @@ Context::Context(const Model &model, ContextParams params, ExpertExecutor *execu
     // so an over-committed allocation would end in the kernel's OOM kill half-way through).
     const int64_t nb = params_.n_batch, n_q = hp.n_head * hp.head_dim, n_kv = hp.n_head_kv * hp.head_dim;
     // In double: a file's context_length (-c 0) may be any 64-bit number.
+    const auto mla = mla_scratch(hp, nb);
+    int64_t mla_floats = 0;
+    for (int64_t m : mla) mla_floats += m;
+    const bool ffn_scratch = hp.shared_expert || hp.n_layer_dense > 0;
+    const int64_t n_ff_scratch = std::max(hp.shared_expert ? hp.n_ff_shexp : 0, hp.n_ff);
+    // MLA caches one latent row per position (k_cache_ only).
     const double floats =
-        2.0 * double(hp.n_layer) * double(params_.n_seq) * double(params_.n_ctx) * double(n_kv) +
+        (hp.mla ? 1.0 : 2.0) * double(hp.n_layer) * double(params_.n_seq) * double(params_.n_ctx) * double(n_kv) +
         double(nb) * double(3 * hp.n_embd + 2 * n_q + 2 * n_kv + hp.n_expert + 4 +
-                            (hp.shared_expert ? 2 * hp.n_ff_shexp + hp.n_embd : 0));
+                            (ffn_scratch ? 2 * n_ff_scratch + hp.n_embd : 0)) +
+        double(mla_floats);
     check_host_memory(uint64_t(std::min(floats * sizeof(float), 1.8e19)),
                       params_.n_seq == 1
                           ? fmt::format("the KV cache and activations for -c {} -b {}", params_.n_ctx, nb)
@@ -54,7 +76,7 @@ Context::Context(const Model &model, ContextParams params, ExpertExecutor *execu
     executor_ = executor;
 
     k_cache_.resize(cache);
-    v_cache_.resize(cache);
+    if (!hp.mla) v_cache_.resize(cache);
     x_.resize(size_t(nb * hp.n_embd));
     h_.resize(size_t(nb * hp.n_embd));
     ffn_.resize(size_t(nb * hp.n_embd));
@@ -68,7 +90,8 @@ Context::Context(const Model &model, ContextParams params, ExpertExecutor *execu
     scratch_.runs.reserve(size_t(std::min(nb, params_.n_seq)) + 1);
     scratch_.out_rows.reserve(size_t(nb));
     n_past_.assign(size_t(params_.n_seq), 0);
-    if (hp.shared_expert) shexp_.resize(size_t(nb * (2 * hp.n_ff_shexp + hp.n_embd)));
+    if (ffn_scratch) shexp_.resize(size_t(nb * (2 * n_ff_scratch + hp.n_embd)));
+    mla_.resize(size_t(mla_floats));
     routing_.ids.reserve(size_t(nb * hp.n_expert_used));
     routing_.weights.reserve(size_t(nb * hp.n_expert_used));
     logits_.reserve(size_t(hp.n_vocab));
@@ -179,8 +202,16 @@ void Context::forward_pass(const int32_t *tokens, int64_t n, std::span<const Seq
         for (int64_t i = 0; i < r.n; ++i) pos_[size_t(t++)] = int32_t(r.pos0 + i);
     }
     for (int64_t il = 0; il < hp.n_layer; ++il) {
-        attention_block(il, n, runs);
-        moe_block(il, n);
+        if (hp.mla) {
+            mla_attention_block(il, n, runs);
+        } else {
+            attention_block(il, n, runs);
+        }
+        if (il < hp.n_layer_dense) {
+            dense_ffn_block(il, n);
+        } else {
+            moe_block(il, n);
+        }
     }
     for (const SeqRun &r : runs) n_past_[size_t(r.seq)] = r.pos0 + r.n;
     if (out_rows.empty()) return;
@@ -250,18 +281,108 @@ void Context::moe_block(int64_t il, int64_t n) {
     executor_->run(il, h_.data(), routing_, ffn_.data());
 
     if (hp.shared_expert) {
-        // HF Qwen2MoeSparseMoeBlock: out += sigmoid(shared_expert_gate(x)) * shared_expert(x).
+        // HF Qwen2MoeSparseMoeBlock: out += sigmoid(shared_expert_gate(x)) * shared_expert(x); DeepseekV3MoE adds
+        // the shared experts ungated.
         float *y = shexp_.data(), *scratch = y + n * n_embd;
         cpu_expert_ffn(l.gate_shexp, l.up_shexp, l.down_shexp, 0, h_.data(), n, scratch, y);
         for (int64_t t = 0; t < n; ++t) {
             const float *ht = h_.data() + t * n_embd;
-            float dot = 0.0f;
-            for (int64_t c = 0; c < n_embd; ++c) dot += l.gate_inp_shexp[c] * ht[c];
-            const float g = 1.0f / (1.0f + std::exp(-dot));
+            float g = 1.0f;
+            if (hp.shared_expert_gate) {
+                float dot = 0.0f;
+                for (int64_t c = 0; c < n_embd; ++c) dot += l.gate_inp_shexp[c] * ht[c];
+                g = 1.0f / (1.0f + std::exp(-dot));
+            }
             for (int64_t c = 0; c < n_embd; ++c) ffn_[size_t(t * n_embd + c)] += g * y[t * n_embd + c];
         }
     }
     for (int64_t i = 0; i < n * n_embd; ++i) x_[size_t(i)] += ffn_[size_t(i)];
+}
+
+void Context::dense_ffn_block(int64_t il, int64_t n) {
+    const HParams &hp = model_.hp();
+    const LayerWeights &l = model_.weights().layers[size_t(il)];
+    cpu::rms_norm(x_.data(), l.ffn_norm, n, hp.n_embd, hp.rms_eps, h_.data());
+    cpu_expert_ffn(l.ffn_gate, l.ffn_up, l.ffn_down, 0, h_.data(), n, shexp_.data(), ffn_.data());
+    for (int64_t i = 0; i < n * hp.n_embd; ++i) x_[size_t(i)] += ffn_[size_t(i)];
+}
+
+// HF DeepseekV3Attention, computed as llama.cpp does with absorbed weights (src/models/deepseek2.cpp): the cache
+// holds per position c = rmsnorm(kv_a(h)[:r]) and k_pe = rope(kv_a(h)[r:]). Head j's score q_nope . (k_b_j c) +
+// q_pe . k_pe equals (k_b_j^T q_nope, q_pe) . (c, k_pe), so attention runs as MQA of one KV head of r + rope
+// dims over the cached rows, with the rows themselves as values; v_b_j maps head j's first r output dims (the
+// softmax-weighted latent) to its value.
+void Context::mla_attention_block(int64_t il, int64_t n, std::span<const SeqRun> runs) {
+    const HParams &hp = model_.hp();
+    const LayerWeights &l = model_.weights().layers[size_t(il)];
+    const int64_t n_head = hp.n_head, nope = hp.head_dim_nope, rope = hp.head_dim_rope, r = hp.kv_lora_rank;
+    const int64_t dq = nope + rope, dkv = r + rope, dv = hp.head_dim_v;
+    const auto sizes = mla_scratch(hp, params_.n_batch);
+    std::array<float *, 7> part;
+    float *next = mla_.data();
+    for (size_t i = 0; i < part.size(); ++i) {
+        part[i] = next;
+        next += sizes[i];
+    }
+    float *q = part[0], *qa = part[1], *q_pe = part[2], *k_pe = part[3], *g_in = part[4], *g_out = part[5];
+    float *v = part[6];
+
+    cpu::rms_norm(x_.data(), l.attn_norm, n, hp.n_embd, hp.rms_eps, h_.data());
+    if (hp.q_lora_rank > 0) {
+        cpu::matmul(l.wq_a, h_.data(), n, qa);
+        cpu::rms_norm(qa, l.q_a_norm, n, hp.q_lora_rank, hp.rms_eps, qa);
+        cpu::matmul(l.wq_b, qa, n, q);
+    } else {
+        cpu::matmul(l.wq, h_.data(), n, q);
+    }
+    // The new latent rows ([n][dkv] in k_), then into each run's sequence cache.
+    float *rows = k_.data();
+    cpu::matmul(l.wkv_a_mqa, h_.data(), n, rows);
+    for (int64_t t = 0; t < n; ++t) {
+        float *row = rows + t * dkv;
+        cpu::rms_norm(row, l.kv_a_norm, 1, r, hp.rms_eps, row);
+        std::copy_n(row + r, rope, k_pe + t * rope);
+        for (int64_t j = 0; j < n_head; ++j) std::copy_n(q + (t * n_head + j) * dq + nope, rope, q_pe + (t * n_head + j) * rope);
+    }
+    const cpu::RopeYarn *yarn = hp.rope_yarn ? &*hp.rope_yarn : nullptr;
+    cpu::rope(k_pe, n, 1, rope, pos_.data(), hp.rope_freq_base, hp.rope_mode, yarn);
+    cpu::rope(q_pe, n, n_head, rope, pos_.data(), hp.rope_freq_base, hp.rope_mode, yarn);
+    for (int64_t t = 0; t < n; ++t) std::copy_n(k_pe + t * rope, rope, rows + t * dkv + r);
+    const auto seq_cache = [&](const SeqRun &run) {
+        return k_cache_.data() + (il * params_.n_seq + run.seq) * params_.n_ctx * dkv;
+    };
+    int64_t t0 = 0;
+    for (const SeqRun &run : runs) {
+        std::copy_n(rows + t0 * dkv, run.n * dkv, seq_cache(run) + run.pos0 * dkv);
+        t0 += run.n;
+    }
+
+    // Absorbed queries in q_: [n][n_head][r + rope].
+    float *qabs = q_.data();
+    for (int64_t j = 0; j < n_head; ++j) {
+        for (int64_t t = 0; t < n; ++t) std::copy_n(q + (t * n_head + j) * dq, nope, g_in + t * nope);
+        cpu::matmul(l.wk_b, g_in, n, g_out, j);
+        for (int64_t t = 0; t < n; ++t) {
+            float *dst = qabs + (t * n_head + j) * dkv;
+            std::copy_n(g_out + t * r, r, dst);
+            std::copy_n(q_pe + (t * n_head + j) * rope, rope, dst + r);
+        }
+    }
+    // Keys and values are both the latent row (the values' first kv_lora_rank columns go through wv_b below).
+    t0 = 0;
+    for (const SeqRun &run : runs) {
+        const float *kc = seq_cache(run);
+        cpu::attention(qabs + t0 * n_head * dkv, kc, kc, run.n, run.pos0, n_head, 1, dkv, hp.kq_scale,
+                       attn_.data() + t0 * n_head * dkv);
+        t0 += run.n;
+    }
+    for (int64_t j = 0; j < n_head; ++j) {
+        for (int64_t t = 0; t < n; ++t) std::copy_n(attn_.data() + (t * n_head + j) * dkv, r, g_in + t * r);
+        cpu::matmul(l.wv_b, g_in, n, g_out, j);
+        for (int64_t t = 0; t < n; ++t) std::copy_n(g_out + t * dv, dv, v + (t * n_head + j) * dv);
+    }
+    cpu::matmul(l.wo, v, n, ffn_.data());
+    for (int64_t i = 0; i < n * hp.n_embd; ++i) x_[size_t(i)] += ffn_[size_t(i)];
 }
 
 } // namespace prescope

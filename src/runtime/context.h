@@ -137,7 +137,11 @@ class Context {
     void forward_pass(const int32_t *tokens, int64_t n, std::span<const SeqRun> runs,
                       std::span<const int64_t> out_rows, float *logits_out);
     void attention_block(int64_t il, int64_t n, std::span<const SeqRun> runs);
+    /// hp.mla (deepseek2): multi-head latent attention from each run's cached latent (decision 0120).
+    void mla_attention_block(int64_t il, int64_t n, std::span<const SeqRun> runs);
     void moe_block(int64_t il, int64_t n);
+    /// Layers il < hp.n_layer_dense: x += down(silu(gate(h)) * up(h)), h = rmsnorm(x).
+    void dense_ffn_block(int64_t il, int64_t n);
     void check_seq(int32_t seq) const;
 
     const Model &model_;
@@ -146,7 +150,7 @@ class Context {
     ExpertExecutor *executor_;
     std::vector<int64_t> n_past_;  // [n_seq]
 
-    std::vector<float> k_cache_, v_cache_;  // [n_layer][n_seq][n_ctx][n_head_kv * head_dim]
+    std::vector<float> k_cache_, v_cache_;  // [n_layer][n_seq][n_ctx][n_head_kv * head_dim]; MLA: the latent in k_cache_ only
     // Activations for up to n_batch tokens.
     std::vector<float> x_;       // [n_batch][n_embd] residual stream
     std::vector<float> h_;       // [n_batch][n_embd] normed input of a sub-block
@@ -154,7 +158,8 @@ class Context {
     std::vector<float> k_, v_;   // [n_batch][n_head_kv * head_dim]
     std::vector<float> attn_;    // [n_batch][n_head * head_dim]
     std::vector<float> ffn_;     // [n_batch][n_embd] sub-block output
-    std::vector<float> shexp_;   // [n_batch][2 * n_ff_shexp + n_embd] shared-expert scratch
+    std::vector<float> shexp_;   // [n_batch][2 * max(n_ff_shexp, n_ff) + n_embd] shared-expert / dense FFN scratch
+    std::vector<float> mla_;     // MLA scratch (mla_attention_block)
     std::vector<float> probs_;   // [n_batch][n_expert] router softmax
     std::vector<int32_t> pos_;   // [n_batch] positions
     BatchScratch scratch_;       // eval/eval_batch: one pass's tokens, runs and logits rows

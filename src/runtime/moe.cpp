@@ -6,25 +6,63 @@
 #include "runtime/hybrid-moe.h"
 
 #include <algorithm>
+#include <array>
+#include <cmath>
 
 namespace prescope {
 
 void moe_route(const HParams &hp, const LayerWeights &l, const float *x, int64_t n_tok, float *probs, Routing &out) {
     const int64_t n_expert = hp.n_expert, k = hp.n_expert_used;
     cpu::matmul(l.gate_inp, x, n_tok, probs);
-    cpu::softmax(probs, n_tok, n_expert);
+    if (hp.expert_gating == ExpertGating::SIGMOID) {
+        for (int64_t i = 0; i < n_tok * n_expert; ++i) probs[i] = 1.0f / (1.0f + std::exp(-probs[i]));
+    } else {
+        cpu::softmax(probs, n_tok, n_expert);
+    }
     out.n_tok = n_tok;
     out.k = k;
     out.ids.resize(size_t(n_tok * k));
     out.weights.resize(size_t(n_tok * k));
+    const bool choose_apart = l.exp_probs_b || hp.n_expert_group > 1;  // choosing scores differ from the weights
+    const int64_t per_group = n_expert / hp.n_expert_group;
+    std::array<float, kMaxExperts> choice, group_score;  // n_expert <= kMaxExperts (read_common_hparams)
+    std::array<int32_t, kMaxExperts> group_ids;
     for (int64_t t = 0; t < n_tok; ++t) {
+        const float *p = probs + t * n_expert;
         int32_t *ids = out.ids.data() + t * k;
         float *w = out.weights.data() + t * k;
-        cpu::top_k(probs + t * n_expert, n_expert, k, ids, w);
+        if (!choose_apart) {
+            cpu::top_k(p, n_expert, k, ids, w);
+        } else {
+            // DeepSeek-V3 (HF DeepseekV3TopkRouter, llama.cpp build_moe_ffn): choose on score + bias; keep only
+            // the groups with the largest sums of their two best choosing scores; the weights are the unbiased
+            // scores of the chosen experts.
+            for (int64_t e = 0; e < n_expert; ++e) choice[size_t(e)] = p[e] + (l.exp_probs_b ? l.exp_probs_b[e] : 0.0f);
+            if (hp.n_expert_group > 1) {
+                for (int64_t g = 0; g < hp.n_expert_group; ++g) {
+                    float best[2];
+                    int32_t unused[2];
+                    cpu::top_k(choice.data() + g * per_group, per_group, 2, unused, best);
+                    group_score[size_t(g)] = best[0] + best[1];
+                }
+                std::array<float, kMaxExperts> kept;
+                cpu::top_k(group_score.data(), hp.n_expert_group, hp.n_expert_group_used, group_ids.data(), kept.data());
+                std::array<bool, kMaxExperts> keep{};
+                for (int64_t j = 0; j < hp.n_expert_group_used; ++j) keep[size_t(group_ids[size_t(j)])] = true;
+                for (int64_t e = 0; e < n_expert; ++e) {
+                    if (!keep[size_t(e / per_group)]) choice[size_t(e)] = -INFINITY;
+                }
+            }
+            cpu::top_k(choice.data(), n_expert, k, ids, w);
+            for (int64_t j = 0; j < k; ++j) w[j] = p[ids[j]];
+        }
         if (hp.norm_topk_prob) {
             float sum = 0.0f;
             for (int64_t j = 0; j < k; ++j) sum += w[j];
             for (int64_t j = 0; j < k; ++j) w[j] /= sum;
+        }
+        if (hp.expert_weights_scale != 1.0f) {
+            for (int64_t j = 0; j < k; ++j) w[j] *= hp.expert_weights_scale;
         }
     }
 }

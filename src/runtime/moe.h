@@ -20,10 +20,14 @@ struct Routing {
     std::vector<float> weights;  // [n_tok][k] weights the expert outputs are multiplied by
 };
 
-/// Router of layer `l` for x: [n_tok][n_embd]: logits = ffn_gate_inp . x, softmax over all experts
-/// in F32, top-k (ties: lower id first), then, when hp.norm_topk_prob, weights divided by their sum
-/// (HF Qwen3MoeSparseMoeBlock / MixtralSparseMoeBlock; llama.cpp build_moe_ffn). `probs` is scratch
-/// of n_tok * n_expert floats and holds the softmax output afterwards.
+/// Router of layer `l` for x: [n_tok][n_embd]: logits = ffn_gate_inp . x in F32, scores = softmax over all
+/// experts or, with ExpertGating::SIGMOID, a sigmoid per expert; top-k of the scores (ties: lower id first)
+/// with these options: the choice uses scores + exp_probs_b when the layer has that bias, and, with
+/// hp.n_expert_group > 1, only the hp.n_expert_group_used groups (of n_expert / n_expert_group consecutive
+/// experts) whose two best choosing scores sum highest (llama.cpp build_moe_ffn, HF DeepseekV3TopkRouter);
+/// the weights are the unbiased scores of the chosen experts, divided by their sum when hp.norm_topk_prob,
+/// then times hp.expert_weights_scale (HF Qwen3MoeSparseMoeBlock / MixtralSparseMoeBlock / DeepseekV3MoE).
+/// `probs` is scratch of n_tok * n_expert floats and holds the scores afterwards.
 void moe_route(const HParams &hp, const LayerWeights &l, const float *x, int64_t n_tok, float *probs, Routing &out);
 
 /// Runs the routed experts of one layer.

@@ -1,4 +1,4 @@
-// Test-only builder of a tiny random-weight qwen3moe GGUF (F32), with hooks to break it on purpose.
+// Test-only builder of a tiny random-weight qwen3moe or deepseek2 GGUF (F32), with hooks to break it on purpose.
 #pragma once
 
 #include "format/gguf.h"
@@ -15,6 +15,12 @@ struct TinyModelSpec {
     std::string arch = "qwen3moe";
     uint32_t n_layer = 2, n_embd = 32, n_head = 4, n_head_kv = 2, head_dim = 8;
     uint32_t n_expert = 4, n_expert_used = 2, n_ff = 32, n_vocab = 64, n_ctx = 128;
+    /// arch "deepseek2": MLA sizes (q_lora_rank 0: plain attn_q), leading dense layers (n_ff rows), one shared
+    /// expert, sigmoid scores with a selection bias, expert groups; head_dim and n_head_kv are not used.
+    uint32_t q_lora_rank = 16, kv_lora_rank = 16, head_dim_nope = 8, head_dim_rope = 8, head_dim_v = 8;
+    uint32_t n_layer_dense = 1, n_expert_group = 2, n_expert_group_used = 1;
+    /// deepseek2 as written before llama.cpp split attn_kv_b (no *_mla keys, key/value_length per head).
+    bool legacy_kv_b = false;
     /// Called for every tensor before it is written: may rename it (empty name drops it), change its
     /// shape or its ggml type id. Tensors given a weight dtype other than F32 hold random blocks of it
     /// (test::random_weights, seeded by the name); other ids get bytes of the right size.
@@ -35,9 +41,29 @@ inline void write_tiny_model(const std::string &path, const TinyModelSpec &s) {
     w.kv_u32(a + ".embedding_length", s.n_embd);
     w.kv_u32(a + ".block_count", s.n_layer);
     w.kv_u32(a + ".attention.head_count", s.n_head);
-    w.kv_u32(a + ".attention.head_count_kv", s.n_head_kv);
-    w.kv_u32(a + ".attention.key_length", s.head_dim);
-    w.kv_u32(a + ".attention.value_length", s.head_dim);
+    const bool mla = a == "deepseek2";
+    const bool split = mla && !s.legacy_kv_b;
+    w.kv_u32(a + ".attention.head_count_kv", split ? 1 : mla ? s.n_head : s.n_head_kv);
+    w.kv_u32(a + ".attention.key_length", split ? s.kv_lora_rank + s.head_dim_rope
+                                          : mla ? s.head_dim_nope + s.head_dim_rope : s.head_dim);
+    w.kv_u32(a + ".attention.value_length", split ? s.kv_lora_rank : mla ? s.head_dim_v : s.head_dim);
+    if (mla) {  // keys as llama.cpp's DeepseekV2Model writes them
+        if (s.q_lora_rank > 0) w.kv_u32(a + ".attention.q_lora_rank", s.q_lora_rank);
+        w.kv_u32(a + ".attention.kv_lora_rank", s.kv_lora_rank);
+        if (split) {
+            w.kv_u32(a + ".attention.key_length_mla", s.head_dim_nope + s.head_dim_rope);
+            w.kv_u32(a + ".attention.value_length_mla", s.head_dim_v);
+        }
+        w.kv_u32(a + ".rope.dimension_count", s.head_dim_rope);
+        w.kv_u32(a + ".leading_dense_block_count", s.n_layer_dense);
+        w.kv_u32(a + ".feed_forward_length", s.n_ff);
+        w.kv_u32(a + ".expert_shared_count", 1);
+        w.kv_u32(a + ".expert_gating_func", 2);
+        w.kv_u32(a + ".expert_group_count", s.n_expert_group);
+        w.kv_u32(a + ".expert_group_used_count", s.n_expert_group_used);
+        w.kv_f32(a + ".expert_weights_scale", 2.5f);
+        w.kv_bool(a + ".expert_weights_norm", true);
+    }
     w.kv_f32(a + ".attention.layer_norm_rms_epsilon", 1e-6f);
     w.kv_f32(a + ".rope.freq_base", 10000.0f);
     w.kv_u32(a + ".expert_count", s.n_expert);
@@ -76,14 +102,12 @@ inline void write_tiny_model(const std::string &path, const TinyModelSpec &s) {
 
     std::mt19937 rng(42);
     std::normal_distribution<float> dist(0.0f, 0.5f);
-    auto add = [&](std::string name, std::vector<uint64_t> ne, bool ones) {
-        uint32_t type = 0;
-        if (s.edit) s.edit(name, ne, type);
-        if (name.empty()) return;
+    // Writes tensor `name` (already through `edit`) from the F32 values v, converted to `type`.
+    auto write_tensor = [&](const std::string &name, const std::vector<uint64_t> &ne, uint32_t type,
+                            std::vector<float> v) {
         uint64_t n = 1;
         for (uint64_t d : ne) n *= d;
-        std::vector<float> v(n);
-        for (float &x : v) x = ones ? 1.0f : dist(rng);
+        v.resize(n);
         std::vector<uint8_t> bytes(v.size() * 4);
         std::memcpy(bytes.data(), v.data(), bytes.size());
         if (const auto dt = dtype_from_ggml(type); dt && type != 0) {
@@ -100,10 +124,74 @@ inline void write_tiny_model(const std::string &path, const TinyModelSpec &s) {
         }
         w.tensor(name, type, ne, bytes);
     };
+    // A tensor of random values (ones for norms), drawn after `edit` so that its shape counts.
+    auto add = [&](std::string name, std::vector<uint64_t> ne, bool ones) {
+        uint32_t type = 0;
+        if (s.edit) s.edit(name, ne, type);
+        if (name.empty()) return;
+        uint64_t n = 1;
+        for (uint64_t d : ne) n *= d;
+        std::vector<float> v(n);
+        for (float &x : v) x = ones ? 1.0f : dist(rng);
+        write_tensor(name, ne, type, std::move(v));
+    };
+    // A tensor of given values.
+    auto put = [&](std::string name, std::vector<uint64_t> ne, std::vector<float> v) {
+        uint32_t type = 0;
+        if (s.edit) s.edit(name, ne, type);
+        if (!name.empty()) write_tensor(name, ne, type, std::move(v));
+    };
     const uint64_t q = s.n_head * s.head_dim, kv = s.n_head_kv * s.head_dim;
     add("token_embd.weight", {s.n_embd, n_vocab}, false);
     add("output_norm.weight", {s.n_embd}, true);
-    for (uint32_t i = 0; i < s.n_layer; ++i) {
+    for (uint32_t i = 0; mla && i < s.n_layer; ++i) {
+        const std::string p = "blk." + std::to_string(i) + ".";
+        const uint64_t r = s.kv_lora_rank, n_q = s.n_head * (s.head_dim_nope + s.head_dim_rope);
+        add(p + "attn_norm.weight", {s.n_embd}, true);
+        if (s.q_lora_rank > 0) {
+            add(p + "attn_q_a.weight", {s.n_embd, s.q_lora_rank}, false);
+            add(p + "attn_q_a_norm.weight", {s.q_lora_rank}, true);
+            add(p + "attn_q_b.weight", {s.q_lora_rank, n_q}, false);
+        } else {
+            add(p + "attn_q.weight", {s.n_embd, n_q}, false);
+        }
+        add(p + "attn_kv_a_mqa.weight", {s.n_embd, r + s.head_dim_rope}, false);
+        add(p + "attn_kv_a_norm.weight", {r}, true);
+        // One random kv_b (HF kv_b_proj: per head nope key rows, then v value rows, of r inputs), written as is
+        // (legacy) or split per head into k_b transposed and v_b as llama.cpp's converter does: the same weights.
+        const uint64_t nope = s.head_dim_nope, dv = s.head_dim_v;
+        std::vector<float> kv_b(s.n_head * (nope + dv) * r), k_b, v_b;
+        for (float &x : kv_b) x = dist(rng);
+        if (s.legacy_kv_b) {
+            put(p + "attn_kv_b.weight", {r, s.n_head * (nope + dv)}, kv_b);
+        } else {
+            for (uint64_t h = 0; h < s.n_head; ++h) {
+                const float *head = kv_b.data() + h * (nope + dv) * r;
+                for (uint64_t c = 0; c < r; ++c)
+                    for (uint64_t i = 0; i < nope; ++i) k_b.push_back(head[i * r + c]);
+                v_b.insert(v_b.end(), head + nope * r, head + (nope + dv) * r);
+            }
+            put(p + "attn_k_b.weight", {nope, r, s.n_head}, k_b);
+            put(p + "attn_v_b.weight", {r, dv, s.n_head}, v_b);
+        }
+        add(p + "attn_output.weight", {uint64_t(s.n_head) * s.head_dim_v, s.n_embd}, false);
+        add(p + "ffn_norm.weight", {s.n_embd}, true);
+        if (i < s.n_layer_dense) {
+            add(p + "ffn_gate.weight", {s.n_embd, s.n_ff}, false);
+            add(p + "ffn_up.weight", {s.n_embd, s.n_ff}, false);
+            add(p + "ffn_down.weight", {s.n_ff, s.n_embd}, false);
+            continue;
+        }
+        add(p + "ffn_gate_inp.weight", {s.n_embd, s.n_expert}, false);
+        add(p + "exp_probs_b.bias", {s.n_expert}, false);
+        add(p + "ffn_gate_exps.weight", {s.n_embd, s.n_ff, s.n_expert}, false);
+        add(p + "ffn_up_exps.weight", {s.n_embd, s.n_ff, s.n_expert}, false);
+        add(p + "ffn_down_exps.weight", {s.n_ff, s.n_embd, s.n_expert}, false);
+        add(p + "ffn_gate_shexp.weight", {s.n_embd, s.n_ff}, false);
+        add(p + "ffn_up_shexp.weight", {s.n_embd, s.n_ff}, false);
+        add(p + "ffn_down_shexp.weight", {s.n_ff, s.n_embd}, false);
+    }
+    for (uint32_t i = 0; !mla && i < s.n_layer; ++i) {
         const std::string p = "blk." + std::to_string(i) + ".";
         add(p + "attn_norm.weight", {s.n_embd}, true);
         add(p + "attn_q.weight", {s.n_embd, q}, false);

@@ -100,6 +100,78 @@ TEST(ModelLoad, ValidTinyModelLoadsAndGivesFiniteLogits) {
     for (float x : ctx.logits()) ASSERT_TRUE(std::isfinite(x));
 }
 
+TEST(ModelLoad, Deepseek2LoadsAndGivesFiniteLogits) {
+    for (uint32_t q_lora_rank : {16u, 0u}) {  // V3 layout and V2-Lite's plain attn_q
+        TinyModelSpec s;
+        s.arch = "deepseek2";
+        s.q_lora_rank = q_lora_rank;
+        const auto m = Model::load(write("ds2-ok", s));
+        EXPECT_TRUE(m->hp().mla);
+        EXPECT_EQ(m->hp().head_dim, 16 + 8);  // one cached latent row: kv_lora_rank + rope
+        prescope::Context ctx(*m, {16, 4});
+        const std::vector<int32_t> ids = {1, 2, 3, 4, 5, 6};
+        ctx.eval(ids, /*all_logits=*/true);
+        for (float x : ctx.logits()) ASSERT_TRUE(std::isfinite(x));
+    }
+}
+
+// Files from before llama.cpp split attn_kv_b: the loader splits it, so the same weights give the same logits.
+TEST(ModelLoad, Deepseek2LegacyKvBGivesTheLogitsOfTheSplitLayout) {
+    for (uint32_t q_lora_rank : {16u, 0u}) {
+        TinyModelSpec s;
+        s.arch = "deepseek2";
+        s.q_lora_rank = q_lora_rank;
+        const auto split = Model::load(write("ds2-split", s));
+        s.legacy_kv_b = true;
+        const auto legacy = Model::load(write("ds2-legacy", s));
+        EXPECT_EQ(legacy->hp().head_dim, split->hp().head_dim);
+        EXPECT_EQ(max_logit_diff(*legacy, *split), 0.0);
+    }
+}
+
+// Kimi-K2 has the deepseek2 layout with 384 experts, top-8, one group.
+TEST(ModelLoad, Deepseek2WithKimiK2ExpertCountRuns) {
+    TinyModelSpec s;
+    s.arch = "deepseek2";
+    s.n_expert = 384, s.n_expert_used = 8, s.n_expert_group = 1, s.n_ff = 8;
+    const auto m = Model::load(write("ds2-kimi", s));
+    EXPECT_EQ(m->hp().n_expert, 384);
+    prescope::Context ctx(*m, {16, 4});
+    const std::vector<int32_t> ids = {1, 2, 3, 4, 5};
+    ctx.eval(ids, /*all_logits=*/true);
+    for (float x : ctx.logits()) ASSERT_TRUE(std::isfinite(x));
+}
+
+TEST(ModelLoad, Deepseek2MissingMlaTensor) {
+    TinyModelSpec s;
+    s.arch = "deepseek2";
+    s.edit = [](std::string &name, auto &, auto &) {
+        if (name == "blk.1.attn_kv_a_mqa.weight") name.clear();
+    };
+    expect_load_error("ds2-missing", s, {"missing tensor 'blk.1.attn_kv_a_mqa.weight'", "expected shape [32, 24]"});
+}
+
+TEST(ModelLoad, Deepseek2KvLoraRankDisagreesWithTheTensor) {
+    TinyModelSpec s;
+    s.arch = "deepseek2";
+    s.edit = [](std::string &name, std::vector<uint64_t> &ne, auto &) {
+        if (name == "blk.0.attn_kv_a_mqa.weight") ne = {32, 40};
+    };
+    expect_load_error("ds2-rank", s, {"tensor 'blk.0.attn_kv_a_mqa.weight' has 40 rows",
+                                      "'deepseek2.attention.kv_lora_rank' 16 + 'deepseek2.rope.dimension_count' 8"});
+}
+
+TEST(ModelLoad, Deepseek2GroupsMustDivideTheExperts) {
+    TinyModelSpec s;
+    s.arch = "deepseek2";
+    s.n_expert_group = 3;  // 4 experts
+    expect_load_error("ds2-groups", s, {"'deepseek2.expert_group_count' 3", "expert_count 4",
+                                        "expected groups dividing the experts"});
+    s.n_expert_group = 2;
+    s.n_expert_group_used = 3;
+    expect_load_error("ds2-groups-used", s, {"'deepseek2.expert_group_used_count' 3"});
+}
+
 TEST(ModelLoad, MissingTensor) {
     TinyModelSpec s;
     s.edit = [](std::string &name, auto &, auto &) {

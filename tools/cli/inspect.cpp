@@ -47,7 +47,8 @@ void register_inspect(CLI::App &app) {
         fmt::print("model: {} | {} layers | n_embd {} | heads {}/{} x {} | experts {} top-{} | n_ff_exp {} | "
                    "shared expert ff {} | vocab {} | expert {:.2f} MiB\n",
                    hp.arch, hp.n_layer, hp.n_embd, hp.n_head, hp.n_head_kv, hp.head_dim, hp.n_expert,
-                   hp.n_expert_used, hp.n_ff_exp, hp.n_ff_shexp, hp.n_vocab, double(m->expert_bytes(0)) / (1 << 20));
+                   hp.n_expert_used, hp.n_ff_exp, hp.n_ff_shexp, hp.n_vocab,
+                   double(m->expert_bytes(hp.n_layer_dense)) / (1 << 20));  // the first layer with experts
     });
 }
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 # Converts an HF Mixture-of-Experts checkpoint (config.json + *.safetensors + tokenizer) into a GGUF file that
 # both llama.cpp and PreScope load. Our own code over the `gguf` package; conventions follow llama.cpp's converter.
-"""HF safetensors -> GGUF for qwen3moe, qwen2moe, llama (Mixtral) and olmoe.
+"""HF safetensors -> GGUF for qwen3moe, qwen2moe, llama (Mixtral), olmoe and deepseek2 (DeepSeek-V2/V3).
 
 Usage:
     python3 tools/py/convert_hf_to_gguf.py HF_DIR --outtype f32|f16|bf16|q8_0 --outfile OUT.gguf [--pre qwen2]
@@ -16,6 +16,10 @@ Conventions (each checked against llama.cpp d32676d77, conversion/{base,llama,qw
   interleaved pair order that ggml's NORM RoPE expects (llama.cpp LlamaModel.permute).
 - `{arch}.expert_weights_norm` carries HF norm_topk_prob (Mixtral: always true). llama.cpp reads this key
   only for deepseek-style archs and ignores it here; PreScope reads it.
+- deepseek2 (conversion/deepseek.py DeepseekV2Model): MLA written as MQA (head_count_kv 1, key_length
+  kv_lora_rank + rope, value_length kv_lora_rank, per-head sizes in *_mla keys); kv_b_proj split per head into
+  attn_k_b (transposed: ne {nope, kv_lora_rank, n_head}) and attn_v_b; the selection bias as exp_probs_b.bias;
+  no q/k permutation (HF rotates interleaved pairs already, ggml NORM RoPE).
 Errors are one line naming the file and the tensor or key, and exit with status 1.
 """
 from __future__ import annotations
@@ -67,6 +71,7 @@ class ArchSpec:
     shared_expert: bool
     attn_bias: bool
     output_required: bool  # llama.cpp's loader has no tied-embedding fallback for this arch
+    gating: str = "softmax"  # router scores: "softmax" or "sigmoid" (DeepSeek-V3)
 
 
 ARCHS: dict[str, ArchSpec] = {
@@ -82,6 +87,12 @@ ARCHS: dict[str, ArchSpec] = {
     "OlmoeForCausalLM": ArchSpec("olmoe", "llama-bpe", "mlp", ("gate_proj", "up_proj", "down_proj"),
                                  permute_qk=False, qk_norm="full", shared_expert=False, attn_bias=False,
                                  output_required=True),
+    "DeepseekV3ForCausalLM": ArchSpec("deepseek2", "llama-bpe", "mlp", ("gate_proj", "up_proj", "down_proj"),
+                                      permute_qk=False, qk_norm=None, shared_expert=True, attn_bias=False,
+                                      output_required=False, gating="sigmoid"),
+    "DeepseekV2ForCausalLM": ArchSpec("deepseek2", "llama-bpe", "mlp", ("gate_proj", "up_proj", "down_proj"),
+                                      permute_qk=False, qk_norm=None, shared_expert=True, attn_bias=False,
+                                      output_required=False),
 }
 
 
@@ -105,6 +116,51 @@ class HParams:
     rms_eps: float
     norm_topk_prob: bool
     tied: bool
+    mla: MlaParams | None = None
+
+
+@dataclass
+class MlaParams:
+    """deepseek2 config values: attention ranks and head parts, dense lead layers, shared experts, routing."""
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    nope: int
+    rope: int
+    v: int
+    n_dense: int
+    n_shared: int
+    scale: float
+    n_group: int | None
+    topk_group: int | None
+    yarn: dict[str, Any] | None  # rope_parameters of rope_type "yarn"
+
+
+def read_mla(config: dict[str, Any], path: Path, hf_arch: str) -> MlaParams:
+    """The DeepSeek-specific config.json values; refuses routing that llama.cpp's keys cannot express."""
+    m = MlaParams(q_lora_rank=_cfg(config, path, "q_lora_rank", default=None),
+                  kv_lora_rank=_cfg(config, path, "kv_lora_rank"), nope=_cfg(config, path, "qk_nope_head_dim"),
+                  rope=_cfg(config, path, "qk_rope_head_dim"), v=_cfg(config, path, "v_head_dim"),
+                  n_dense=_cfg(config, path, "first_k_dense_replace", default=0),
+                  n_shared=_cfg(config, path, "n_shared_experts", default=0),
+                  scale=_cfg(config, path, "routed_scaling_factor", default=1.0, kind=float),
+                  n_group=_cfg(config, path, "n_group", default=None),
+                  topk_group=_cfg(config, path, "topk_group", default=None), yarn=None)
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type")) == "yarn":
+        # llama.cpp runs deepseek2 YaRN with cos/sin unscaled and mscale(mscale_all_dim)^2 on the scores, which
+        # is HF's formula only when mscale == mscale_all_dim and no explicit attention_factor is given.
+        if (rope.get("mscale") is None or rope.get("mscale") != rope.get("mscale_all_dim")
+                or rope.get("attention_factor") is not None or rope.get("factor") is None):
+            raise ConvertError(f"{path}: YaRN rope parameters {rope} are not supported (expected a factor and "
+                               f"mscale == mscale_all_dim, no attention_factor)")
+        m.yarn = rope
+    method = config.get("topk_method")
+    if hf_arch == "DeepseekV2ForCausalLM" and method not in (None, "greedy"):
+        # HF DeepseekV2 ranks groups by their best expert, llama.cpp's expert_group_count by the two best.
+        raise ConvertError(f"{path}: topk_method {method!r} is not supported for DeepseekV2 (only 'greedy')")
+    if hf_arch == "DeepseekV3ForCausalLM" and config.get("scoring_func", "sigmoid") != "sigmoid":
+        raise ConvertError(f"{path}: scoring_func {config['scoring_func']!r}, expected 'sigmoid' for DeepseekV3")
+    return m
 
 
 def _cfg(config: dict[str, Any], path: Path, *keys: str, default: Any = ..., kind: type = int) -> Any:
@@ -125,8 +181,10 @@ def read_hparams(config: dict[str, Any], path: Path, hf_arch: str) -> HParams:
     """Reads and checks config.json; rejects features the GGUF architectures cannot express."""
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", None):
-        raise ConvertError(f"{path}: rope type {rope_type!r} is not supported (only unscaled RoPE)")
+    spec = ARCHS[hf_arch]
+    if rope_type not in ("default", None) and not (rope_type == "yarn" and spec.gguf_arch == "deepseek2"):
+        raise ConvertError(f"{path}: rope type {rope_type!r} is not supported (only unscaled RoPE; YaRN for "
+                           f"DeepSeek)")
     rope_theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
     if config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1:
         raise ConvertError(f"{path}: dense layers (mlp_only_layers / decoder_sparse_step) are not supported")
@@ -135,7 +193,6 @@ def read_hparams(config: dict[str, Any], path: Path, hf_arch: str) -> HParams:
     n_embd = _cfg(config, path, "hidden_size")
     n_head = _cfg(config, path, "num_attention_heads")
     head_dim = config.get("head_dim")
-    spec = ARCHS[hf_arch]
     norm_topk = True if hf_arch == "MixtralForCausalLM" else _cfg(config, path, "norm_topk_prob", kind=bool)
     hp = HParams(
         n_vocab=_cfg(config, path, "vocab_size"),
@@ -149,19 +206,20 @@ def read_hparams(config: dict[str, Any], path: Path, hf_arch: str) -> HParams:
         n_ff=_cfg(config, path, "intermediate_size"),
         n_ff_exp=_cfg(config, path, "moe_intermediate_size", default=None),
         n_ff_shexp=_cfg(config, path, "shared_expert_intermediate_size", default=None),
-        n_expert=_cfg(config, path, "num_local_experts", "num_experts"),
+        n_expert=_cfg(config, path, "num_local_experts", "num_experts", "n_routed_experts"),
         n_expert_used=_cfg(config, path, "num_experts_per_tok"),
         rope_theta=float(rope_theta),
         rms_eps=_cfg(config, path, "rms_norm_eps", kind=float),
         norm_topk_prob=norm_topk,
         tied=bool(config.get("tie_word_embeddings", False)),
+        mla=read_mla(config, path, hf_arch) if spec.gguf_arch == "deepseek2" else None,
     )
     if hp.n_head % hp.n_head_kv != 0:
         raise ConvertError(f"{path}: num_attention_heads {hp.n_head} is not a multiple of "
                            f"num_key_value_heads {hp.n_head_kv}")
     if not 0 < hp.n_expert_used <= hp.n_expert:
         raise ConvertError(f"{path}: num_experts_per_tok {hp.n_expert_used} not in 1..{hp.n_expert}")
-    if spec.shared_expert and hp.n_ff_shexp is None:
+    if spec.shared_expert and hp.mla is None and hp.n_ff_shexp is None:
         raise ConvertError(f"{path}: missing key 'shared_expert_intermediate_size'")
     return hp
 
@@ -237,6 +295,46 @@ def _expert_stack(src: TensorSource, hp: HParams, layer: int, spec: ArchSpec, n_
     return out
 
 
+def deepseek_layer(src: TensorSource, hp: HParams, spec: ArchSpec, i: int) -> Iterator[tuple[str, np.ndarray]]:
+    """Attention and FFN tensors of deepseek2 block i (llama.cpp conversion/deepseek.py names and layouts)."""
+    m = hp.mla
+    p, b = f"model.layers.{i}", f"blk.{i}"
+    a = f"{p}.self_attn"
+    n_q = hp.n_head * (m.nope + m.rope)
+    if m.q_lora_rank is not None:
+        yield f"{b}.attn_q_a.weight", src.get(f"{a}.q_a_proj.weight", (m.q_lora_rank, hp.n_embd))
+        yield f"{b}.attn_q_a_norm.weight", src.get(f"{a}.q_a_layernorm.weight", (m.q_lora_rank,))
+        yield f"{b}.attn_q_b.weight", src.get(f"{a}.q_b_proj.weight", (n_q, m.q_lora_rank))
+    else:
+        yield f"{b}.attn_q.weight", src.get(f"{a}.q_proj.weight", (n_q, hp.n_embd))
+    yield f"{b}.attn_kv_a_mqa.weight", src.get(f"{a}.kv_a_proj_with_mqa.weight", (m.kv_lora_rank + m.rope, hp.n_embd))
+    yield f"{b}.attn_kv_a_norm.weight", src.get(f"{a}.kv_a_layernorm.weight", (m.kv_lora_rank,))
+    kv_b = src.get(f"{a}.kv_b_proj.weight", (hp.n_head * (m.nope + m.v), m.kv_lora_rank))
+    kv_b = kv_b.reshape(hp.n_head, m.nope + m.v, m.kv_lora_rank)
+    # k_b per head transposed to [kv_lora_rank, nope] (absorbed into the query), v_b per head [v, kv_lora_rank].
+    yield f"{b}.attn_k_b.weight", np.ascontiguousarray(kv_b[:, :m.nope].transpose(0, 2, 1))
+    yield f"{b}.attn_v_b.weight", np.ascontiguousarray(kv_b[:, m.nope:])
+    yield f"{b}.attn_output.weight", src.get(f"{a}.o_proj.weight", (hp.n_embd, hp.n_head * m.v))
+    yield f"{b}.ffn_norm.weight", src.get(f"{p}.post_attention_layernorm.weight", (hp.n_embd,))
+    if i < m.n_dense:
+        for g in ("gate", "up"):
+            yield f"{b}.ffn_{g}.weight", src.get(f"{p}.mlp.{g}_proj.weight", (hp.n_ff, hp.n_embd))
+        yield f"{b}.ffn_down.weight", src.get(f"{p}.mlp.down_proj.weight", (hp.n_embd, hp.n_ff))
+        return
+    yield f"{b}.ffn_gate_inp.weight", src.get(f"{p}.mlp.gate.weight", (hp.n_expert, hp.n_embd))
+    if src.has(f"{p}.mlp.gate.e_score_correction_bias"):
+        yield f"{b}.exp_probs_b.bias", src.get(f"{p}.mlp.gate.e_score_correction_bias", (hp.n_expert,))
+    ex = _expert_stack(src, hp, i, spec, hp.n_ff_exp)
+    yield f"{b}.ffn_gate_exps.weight", ex["gate"]
+    yield f"{b}.ffn_up_exps.weight", ex["up"]
+    yield f"{b}.ffn_down_exps.weight", ex["down"]
+    if m.n_shared > 0:
+        f = m.n_shared * hp.n_ff_exp
+        for g in ("gate", "up"):
+            yield f"{b}.ffn_{g}_shexp.weight", src.get(f"{p}.mlp.shared_experts.{g}_proj.weight", (f, hp.n_embd))
+        yield f"{b}.ffn_down_shexp.weight", src.get(f"{p}.mlp.shared_experts.down_proj.weight", (hp.n_embd, f))
+
+
 def gguf_tensors(src: TensorSource, hp: HParams, spec: ArchSpec) -> Iterator[tuple[str, np.ndarray]]:
     """(GGUF name, float32 array in HF [rows, cols] order) for every tensor of the model, in file order."""
     q_dim = hp.n_head * hp.head_dim
@@ -247,6 +345,9 @@ def gguf_tensors(src: TensorSource, hp: HParams, spec: ArchSpec) -> Iterator[tup
         p = f"model.layers.{i}"
         b = f"blk.{i}"
         yield f"{b}.attn_norm.weight", src.get(f"{p}.input_layernorm.weight", (hp.n_embd,))
+        if hp.mla is not None:
+            yield from deepseek_layer(src, hp, spec, i)
+            continue
         q = src.get(f"{p}.self_attn.q_proj.weight", (q_dim, hp.n_embd))
         k = src.get(f"{p}.self_attn.k_proj.weight", (kv_dim, hp.n_embd))
         if spec.permute_qk:
@@ -316,23 +417,58 @@ def write_hparams(w: gguf.GGUFWriter, hp: HParams, spec: ArchSpec, ftype: gguf.L
     w.add_embedding_length(hp.n_embd)
     w.add_feed_forward_length(hp.n_ff)
     w.add_head_count(hp.n_head)
-    w.add_head_count_kv(hp.n_head_kv)
+    w.add_head_count_kv(1 if hp.mla else hp.n_head_kv)
     w.add_rope_freq_base(hp.rope_theta)
     w.add_layer_norm_rms_eps(hp.rms_eps)
     w.add_expert_count(hp.n_expert)
     w.add_expert_used_count(hp.n_expert_used)
-    if hp.head_dim_explicit:
+    if hp.mla is not None:
+        write_mla_hparams(w, hp, spec)
+    elif hp.head_dim_explicit:
         w.add_key_length(hp.head_dim)
         w.add_value_length(hp.head_dim)
     if hp.n_ff_exp is not None:
         w.add_expert_feed_forward_length(hp.n_ff_exp)
-    if spec.shared_expert:
+    if spec.shared_expert and hp.mla is None:
         w.add_expert_shared_feed_forward_length(hp.n_ff_shexp)
     if spec.gguf_arch == "llama":
         w.add_vocab_size(hp.n_vocab)
         w.add_rope_dimension_count(hp.head_dim)
-    w.add_expert_weights_norm(hp.norm_topk_prob)
+    if hp.mla is None or hp.norm_topk_prob:  # llama.cpp's DeepseekV2Model writes the key only when true
+        w.add_expert_weights_norm(hp.norm_topk_prob)
     w.add_file_type(ftype)
+
+
+def write_mla_hparams(w: gguf.GGUFWriter, hp: HParams, spec: ArchSpec) -> None:
+    """deepseek2 keys as llama.cpp's DeepseekV2Model.set_gguf_parameters (+ TextModel's group keys) writes them."""
+    m = hp.mla
+    w.add_leading_dense_block_count(m.n_dense)
+    w.add_vocab_size(hp.n_vocab)
+    if m.q_lora_rank is not None:
+        w.add_q_lora_rank(m.q_lora_rank)
+    w.add_kv_lora_rank(m.kv_lora_rank)
+    w.add_key_length(m.kv_lora_rank + m.rope)
+    w.add_value_length(m.kv_lora_rank)
+    w.add_key_length_mla(m.nope + m.rope)
+    w.add_value_length_mla(m.v)
+    w.add_expert_shared_count(m.n_shared)
+    w.add_expert_weights_scale(m.scale)
+    w.add_rope_dimension_count(m.rope)
+    if m.yarn is not None:  # llama.cpp TextModel (type, factor, length, betas) + DeepseekV2Model (log multiplier)
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(float(m.yarn["factor"]))
+        w.add_rope_scaling_orig_ctx_len(int(m.yarn["original_max_position_embeddings"]))
+        if m.yarn.get("beta_fast") is not None:
+            w.add_rope_scaling_yarn_beta_fast(float(m.yarn["beta_fast"]))
+        if m.yarn.get("beta_slow") is not None:
+            w.add_rope_scaling_yarn_beta_slow(float(m.yarn["beta_slow"]))
+        w.add_rope_scaling_yarn_log_mul(0.1 * float(m.yarn["mscale_all_dim"]))
+    if m.n_group is not None:
+        w.add_expert_group_count(m.n_group)
+    if m.topk_group is not None:
+        w.add_expert_group_used_count(m.topk_group)
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if spec.gating == "sigmoid"
+                             else gguf.ExpertGatingFuncType.SOFTMAX)
 
 
 def convert(hf_dir: Path, outfile: Path, outtype: str, pre: str | None = None, name: str | None = None,

@@ -46,6 +46,8 @@ def gguf_to_hf_state(gguf_path: Path, hf_dir: Path) -> dict[str, np.ndarray]:
     g = {t.name: gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape(
         [int(x) for x in reversed(t.shape)]) for t in reader.tensors}
 
+    if hp.mla is not None:
+        return _deepseek_state(g, hp, gguf_path)
     out: dict[str, np.ndarray] = {"model.embed_tokens.weight": g.pop("token_embd.weight"),
                                   "model.norm.weight": g.pop("output_norm.weight")}
     if "output.weight" in g:
@@ -80,6 +82,64 @@ def gguf_to_hf_state(gguf_path: Path, hf_dir: Path) -> dict[str, np.ndarray]:
     return out
 
 
+def _deepseek_state(g: dict[str, np.ndarray], hp: conv.HParams, gguf_path: Path) -> dict[str, np.ndarray]:
+    """gguf_to_hf_state for deepseek2: kv_b_proj rebuilt per head from attn_k_b (transposed back) and attn_v_b."""
+    m = hp.mla
+    out: dict[str, np.ndarray] = {"model.embed_tokens.weight": g.pop("token_embd.weight"),
+                                  "model.norm.weight": g.pop("output_norm.weight")}
+    if "output.weight" in g:
+        out["lm_head.weight"] = g.pop("output.weight")
+    simple = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+              "attn_q.weight": "self_attn.q_proj.weight", "attn_q_a.weight": "self_attn.q_a_proj.weight",
+              "attn_q_a_norm.weight": "self_attn.q_a_layernorm.weight", "attn_q_b.weight": "self_attn.q_b_proj.weight",
+              "attn_kv_a_mqa.weight": "self_attn.kv_a_proj_with_mqa.weight",
+              "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight", "attn_output.weight": "self_attn.o_proj.weight",
+              "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+              "ffn_down.weight": "mlp.down_proj.weight", "ffn_gate_inp.weight": "mlp.gate.weight",
+              "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+              "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
+              "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
+              "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight"}
+    for i in range(hp.n_layer):
+        b, p = f"blk.{i}.", f"model.layers.{i}."
+        for gk, hk in simple.items():
+            if b + gk in g:
+                out[p + hk] = g.pop(b + gk)
+        k_b, v_b = g.pop(b + "attn_k_b.weight"), g.pop(b + "attn_v_b.weight")  # [H, r, nope], [H, v, r]
+        kv_b = np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1)
+        out[p + "self_attn.kv_b_proj.weight"] = np.ascontiguousarray(kv_b.reshape(-1, m.kv_lora_rank))
+        if i >= m.n_dense:
+            for gk in ("gate", "up", "down"):
+                stacked = g.pop(f"{b}ffn_{gk}_exps.weight")
+                for e in range(hp.n_expert):
+                    out[f"{p}mlp.experts.{e}.{gk}_proj.weight"] = np.ascontiguousarray(stacked[e])
+    if g:
+        raise ValueError(f"{gguf_path}: tensors with no HF counterpart: {sorted(g)}")
+    return out
+
+
+def router_choice_scores(gate, logits: torch.Tensor) -> tuple[np.ndarray, float]:
+    """What a DeepSeek router chooses on, from its logits [n_tok, n_expert]: scores (+ e_score_correction_bias)
+    with the experts of unchosen groups at -inf, and the smallest gap between the last chosen and the first
+    unchosen group score (inf without groups), mirroring HF DeepseekV3TopkRouter / DeepseekV2TopkRouter."""
+    bias = getattr(gate, "e_score_correction_bias", None)
+    if bias is not None:
+        scores = logits.float().sigmoid() + bias
+    else:
+        scores = logits.float().softmax(-1)
+    n_group = getattr(gate, "num_group", None) or 1
+    gap = float("inf")
+    if n_group > 1 and bias is not None:
+        grouped = scores.view(scores.shape[0], n_group, -1)
+        group_scores = grouped.topk(2, dim=-1)[0].sum(-1)
+        s = group_scores.sort(-1, descending=True)[0]
+        gap = float((s[:, gate.topk_group - 1] - s[:, gate.topk_group]).min())
+        keep = torch.zeros_like(group_scores, dtype=torch.bool)
+        keep.scatter_(1, group_scores.topk(gate.topk_group, dim=-1)[1], True)
+        scores = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(scores.shape[0], -1)
+    return scores.numpy(), gap
+
+
 def load_hf_model(hf_dir: Path, state: dict[str, np.ndarray] | None = None):
     """The HF model in float32 eval mode; with `state`, its weights are replaced by these on-disk tensors
     (written to a temporary checkpoint next to hf_dir's config so HF's own loader does the renaming)."""
@@ -108,13 +168,16 @@ class Reference:
     greedy: n_gen token ids from generate(do_sample=False).
     sequence: prompt + greedy[:-1]; logits[j] (float32 [n_pos, n_vocab]) is the distribution after sequence[:j+1],
     so logits[n_prompt-1+s] predicts greedy[s].
-    router_logits: [n_layer, n_pos, n_expert] float32 pre-softmax router outputs along `sequence`.
+    router_logits: [n_layer, n_pos, n_expert] float32 pre-softmax router outputs along `sequence`; for DeepSeek
+    the scores the router chooses on (router_choice_scores; -inf outside the chosen groups), MoE layers only.
+    group_margin: the smallest group-choice gap (DeepSeek-V3 groups), inf when there are none.
     """
     prompt: list[int]
     greedy: list[int]
     sequence: list[int]
     logits: np.ndarray
     router_logits: np.ndarray
+    group_margin: float = float("inf")
 
     def logit_margin(self) -> float:
         """Smallest top-1 minus top-2 logit over all positions (how far greedy is from a tie)."""
@@ -124,7 +187,7 @@ class Reference:
     def router_margin(self, k: int) -> float:
         """Smallest gap between the k-th and (k+1)-th router logit over all layers and positions."""
         s = np.sort(self.router_logits, axis=-1)[..., ::-1]
-        return float((s[..., k - 1] - s[..., k]).min())
+        return float(min((s[..., k - 1] - s[..., k]).min(), self.group_margin))
 
 
 @torch.no_grad()
@@ -135,14 +198,26 @@ def reference(model, prompt: list[int], n_gen: int) -> Reference:
                          attention_mask=torch.ones_like(ids))
     greedy = gen[0, len(prompt):].tolist()
     seq = prompt + greedy[:-1]
-    out = model(torch.tensor([seq]), output_router_logits=True)
+    group_margin = float("inf")
+    if model.config.model_type.startswith("deepseek"):
+        # No output_router_logits in HF DeepSeek: the routers' outputs, taken with forward hooks.
+        captured = []
+        hooks = [mod.register_forward_hook(lambda mod, args, res: captured.append(router_choice_scores(mod, res[0])))
+                 for name, mod in model.named_modules() if name.endswith("mlp.gate")]
+        out = model(torch.tensor([seq]))
+        for h in hooks:
+            h.remove()
+        router = np.stack([c[0] for c in captured])
+        group_margin = min(c[1] for c in captured)
+    else:
+        out = model(torch.tensor([seq]), output_router_logits=True)
+        router = np.stack([r.reshape(len(seq), -1).float().numpy() for r in out.router_logits])
     logits = out.logits[0].float().numpy()
-    router = np.stack([r.reshape(len(seq), -1).float().numpy() for r in out.router_logits])
     # generate() runs with a KV cache; the teacher-forced pass must agree on every greedy token.
     forced = logits[len(prompt) - 1:].argmax(-1).tolist()
     if forced != greedy:
         raise RuntimeError(f"generate() and the full forward pass disagree: {greedy} vs {forced}")
-    return Reference(prompt, greedy, seq, logits, router)
+    return Reference(prompt, greedy, seq, logits, router, group_margin)
 
 
 def main() -> int:

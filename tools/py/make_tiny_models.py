@@ -93,6 +93,22 @@ TINY = {
         COMMON, num_hidden_layers=3, num_key_value_heads=4, num_experts=8, intermediate_size=32,
         norm_topk_prob=False, rms_norm_eps=1e-5, rope_theta=1e4, tie_word_embeddings=False)),
 }
+# DeepSeek: q-LoRA, sigmoid scores + selection bias + 4 groups of 2 (2 used), a dense first layer and one shared
+# expert, YaRN as in DeepSeek-V3's config (V3 / Kimi-K2 layout); V2-Lite: plain q, softmax, two shared experts,
+# no renormalisation, plain RoPE. rms_norm_eps
+# 1e-6 because HF's q_a/kv_a norms always use 1e-6 while llama.cpp uses the file's epsilon for every norm.
+DEEPSEEK = dict(vocab_size=N_VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=4,
+                num_key_value_heads=4, n_routed_experts=8, kv_lora_rank=32, qk_rope_head_dim=8, v_head_dim=16,
+                qk_nope_head_dim=16, first_k_dense_replace=1, max_position_embeddings=2048, rms_norm_eps=1e-6,
+                rope_theta=1e4, tie_word_embeddings=False)
+TINY["deepseekv3"] = TinySpec("deepseekv3", "DeepseekV3ForCausalLM", "llama-bpe", dict(
+    DEEPSEEK, num_hidden_layers=3, q_lora_rank=32, n_shared_experts=1, routed_scaling_factor=2.5, n_group=4,
+    topk_group=2, num_experts_per_tok=2, norm_topk_prob=True, scoring_func="sigmoid", topk_method="noaux_tc",
+    rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=40.0, original_max_position_embeddings=4096,
+                         beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)))
+TINY["deepseekv2lite"] = TinySpec("deepseekv2lite", "DeepseekV2ForCausalLM", "llama-bpe", dict(
+    DEEPSEEK, num_hidden_layers=3, q_lora_rank=None, n_shared_experts=2, routed_scaling_factor=1.0,
+    num_experts_per_tok=3, norm_topk_prob=False, topk_method="greedy"))
 SPECIALS = {"qwen2": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], "llama-bpe": ["<|endoftext|>", "<|padding|>"]}
 
 
@@ -218,6 +234,10 @@ def spread_init(model: torch.nn.Module, seed: int, embed_std: float) -> None:
                 p.copy_(2.0 * n / p.shape[-1] ** 0.5)
             else:
                 p.copy_(n / p.shape[-1] ** 0.5)
+        # DeepSeek-V3's selection bias is a buffer: small and positive, so that it shifts choices only sometimes.
+        for name, buf in sorted(model.named_buffers()):
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(0.05 * torch.rand(buf.shape, generator=g))
 
 
 def make_hf_model(spec: TinySpec, hf_dir: Path, special_ids: dict, seed: int) -> None:
@@ -244,7 +264,7 @@ def sha256(path: Path) -> str:
 def check_margins(ref: hr.Reference, k: int, specials: set[int]) -> str | None:
     """Why a reference is unfit for a golden file, or None."""
     logit_scale = float(np.abs(ref.logits).max())
-    router_scale = float(np.abs(ref.router_logits).max())
+    router_scale = float(np.abs(ref.router_logits[np.isfinite(ref.router_logits)]).max())
     if ref.logit_margin() < MIN_RELATIVE_MARGIN["logit"] * logit_scale:
         return f"logit margin {ref.logit_margin():.4f} of {logit_scale:.2f}"
     if ref.router_margin(k) < MIN_RELATIVE_MARGIN["router"] * router_scale:
@@ -288,7 +308,7 @@ def write_golden(out_dir: Path, stem: str, gguf_path: Path, ref: hr.Reference, m
         "logits_std": float(ref.logits.std()),
         "min_top1_top2_logit_gap": ref.logit_margin(),
         "min_router_topk_gap": ref.router_margin(meta["expert_used_count"]),
-        "router_logits_max_abs": float(np.abs(ref.router_logits).max()),
+        "router_logits_max_abs": float(np.abs(ref.router_logits[np.isfinite(ref.router_logits)]).max()),
         "tolerance": {
             "max_abs_logit_error": 1e-4 * scale,
             "rule": "1e-4 x logits_max_abs, for an engine with float32 activations (docs/references.md)",

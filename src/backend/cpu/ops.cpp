@@ -263,7 +263,7 @@ void rms_norm(const float *x, const float *w, int64_t n_rows, int64_t n, float e
 }
 
 void rope(float *x, int64_t n_tok, int64_t n_head, int64_t head_dim, const int32_t *pos, float freq_base,
-          RopeMode mode) {
+          RopeMode mode, const RopeYarn *yarn) {
     PRESCOPE_ASSERT(head_dim % 2 == 0);
     const int64_t half = head_dim / 2;
     // Angles as HF computes them (Qwen3MoeRotaryEmbedding / _compute_default_rope_parameters), in F32:
@@ -271,6 +271,23 @@ void rope(float *x, int64_t n_tok, int64_t n_head, int64_t head_dim, const int32
     std::vector<float> inv_freq(static_cast<size_t>(half));
     for (int64_t i = 0; i < half; ++i)
         inv_freq[size_t(i)] = 1.0f / std::pow(freq_base, float(2 * i) / float(head_dim));
+    float mscale = 1.0f;
+    if (yarn) {
+        // HF blends the inverse frequencies (inv_freq = interp * (1 - mix) + extrap * mix); ggml the angles.
+        const auto corr_dim = [&](float n_rot) {
+            return float(head_dim) * std::log(float(yarn->n_ctx_orig) / (n_rot * 2.0f * float(M_PI))) /
+                   (2.0f * std::log(freq_base));
+        };
+        const float low = std::max(0.0f, std::floor(corr_dim(yarn->beta_fast)));
+        const float high = std::min(float(head_dim - 1), std::ceil(corr_dim(yarn->beta_slow)));
+        for (int64_t i = 0; i < half; ++i) {
+            const float ramp = std::clamp((float(i) - low) / std::max(0.001f, high - low), 0.0f, 1.0f);
+            const float mix = (1.0f - ramp) * yarn->ext_factor;
+            const float f = inv_freq[size_t(i)];
+            inv_freq[size_t(i)] = f * yarn->freq_scale * (1.0f - mix) + f * mix;
+        }
+        mscale = yarn->mscale;
+    }
     const int nth = threads_here();
 #pragma omp parallel num_threads(nth) if (nth > 1 && n_tok > 1 && n_tok * n_head * head_dim >= kParallelMinElems)
     {
@@ -279,8 +296,8 @@ void rope(float *x, int64_t n_tok, int64_t n_head, int64_t head_dim, const int32
         for (int64_t t = 0; t < n_tok; ++t) {
             for (int64_t i = 0; i < half; ++i) {
                 const float theta = float(pos[t]) * inv_freq[size_t(i)];
-                cs[size_t(2 * i)] = std::cos(theta);
-                cs[size_t(2 * i + 1)] = std::sin(theta);
+                cs[size_t(2 * i)] = std::cos(theta) * mscale;
+                cs[size_t(2 * i + 1)] = std::sin(theta) * mscale;
             }
             for (int64_t h = 0; h < n_head; ++h) {
                 float *v = x + (t * n_head + h) * head_dim;

@@ -110,10 +110,21 @@ enum class RopeMode {
     NORM,  // rotates pairs (x[2i], x[2i+1]) (llama, Mixtral GGUF with permuted q/k)
     NEOX,  // rotates pairs (x[i], x[i + d/2]) (HF rotate_half: Qwen2/3-MoE, OLMoE)
 };
+/// YaRN RoPE scaling (arXiv 2309.00071; ggml rope_yarn, HF _compute_yarn_parameters): each pair's frequency
+/// blends the original one (extrapolation) and freq_scale times it (interpolation) by a ramp over the pair index
+/// between the correction dims of beta_fast and beta_slow rotations in n_ctx_orig positions (floor / ceil,
+/// clamped to [0, head_dim - 1]); ext_factor scales the ramp; cos and sin are multiplied by mscale.
+struct RopeYarn {
+    float freq_scale = 1.0f;  // 1 / rope.scaling.factor
+    int64_t n_ctx_orig = 0;   // rope.scaling.original_context_length
+    float beta_fast = 32.0f, beta_slow = 1.0f;
+    float ext_factor = 1.0f;
+    float mscale = 1.0f;
+};
 /// Rotates x: [n_tok][n_head][head_dim] in place; token t sits at position pos[t].
-/// theta_i = pos * freq_base^(-2i/head_dim), i < head_dim/2.
+/// theta_i = pos * freq_base^(-2i/head_dim), i < head_dim/2, or the YaRN blend of it when yarn is given.
 void rope(float *x, int64_t n_tok, int64_t n_head, int64_t head_dim, const int32_t *pos, float freq_base,
-          RopeMode mode);
+          RopeMode mode, const RopeYarn *yarn = nullptr);
 
 /// Causal grouped-query attention of n_tok new queries at positions [pos0, pos0 + n_tok).
 /// q: [n_tok][n_head][head_dim]; k_cache, v_cache: [>= pos0 + n_tok][n_head_kv][head_dim] holding
