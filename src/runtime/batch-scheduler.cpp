@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <limits>
 #include <exception>
 
 namespace prescope {
@@ -143,6 +144,9 @@ BatchScheduler::BatchScheduler(Engine &engine, const Tokenizer &tokenizer, Sched
     if (params_.max_queue < 0) fail("the request queue size must be >= 0, got {}", params_.max_queue);
     if (n_batch_ < 1) fail("n_batch must be >= 1, got {}", n_batch_);
     metrics_.slots_total = n_slots_;
+    for (int32_t t = 0; t < tokenizer_.n_vocab(); ++t) {
+        if (tokenizer_.is_eog(t)) eog_.push_back(t);
+    }
 }
 
 BatchScheduler::~BatchScheduler() {
@@ -182,7 +186,9 @@ std::shared_ptr<RequestHandle> BatchScheduler::submit(GenerationRequest r) {
     auto handle = std::shared_ptr<RequestHandle>(new RequestHandle(this));
     {
         std::lock_guard lock(mutex_);
-        if (int64_t(queue_.size()) >= params_.max_queue) {
+        // The free slots take queued requests at the next step: those are not waiting.
+        const int64_t free_slots = n_slots_ - metrics_.slots_busy;
+        if (int64_t(queue_.size()) >= params_.max_queue + std::max<int64_t>(free_slots, 0)) {
             ++metrics_.requests_rejected;
             return nullptr;
         }
@@ -335,6 +341,13 @@ bool BatchScheduler::step() {
 void BatchScheduler::on_logits(Slot &s, const float *row, int64_t row_size, Clock::time_point now) {
     // Models may pad the embedding past the tokenizer's vocabulary; padded ids are never sampled.
     const int64_t n_sample = std::min<int64_t>(row_size, tokenizer_.n_vocab());
+    if (s.request.ignore_eos) {
+        masked_.assign(row, row + n_sample);
+        for (int32_t t : eog_) {
+            if (t < n_sample) masked_[size_t(t)] = -std::numeric_limits<float>::infinity();
+        }
+        row = masked_.data();
+    }
     int32_t token = -1;
     try {
         token = s.sampler->sample(row, n_sample);

@@ -33,6 +33,7 @@ struct GenerationRequest {
     SamplerParams sampling;
     int64_t max_tokens = -1;        // generated tokens at most; -1: until end of generation or a full slot context
     std::vector<std::string> stop;  // the output ends before the first occurrence of any of these (not empty)
+    bool ignore_eos = false;        // end-of-generation tokens are never sampled (llama-server's ignore_eos)
 };
 
 /// Why a generation ended. stop: an end-of-generation token or a stop string; length: max_tokens or the slot's
@@ -105,7 +106,7 @@ struct SchedulerMetrics {
 
 /// Settings of the scheduler (the engine's n_seq and n_ctx are the slot count and the context per slot).
 struct SchedulerParams {
-    int64_t max_queue = 64;  // requests waiting for a slot at most; submit() refuses more
+    int64_t max_queue = 64;  // requests waiting for a slot at most (beyond the free slots); submit() refuses more
     int64_t n_batch = 512;   // tokens per step, all slots together (the engine's ContextParams::n_batch)
 };
 
@@ -120,7 +121,8 @@ class BatchScheduler {
     BatchScheduler(const BatchScheduler &) = delete;
     BatchScheduler &operator=(const BatchScheduler &) = delete;
 
-    /// Queues a request; nullptr when max_queue requests are already waiting (the server answers 503). Throws
+    /// Queues a request; nullptr when max_queue requests are already waiting for a slot, not counting those the
+    /// free slots take at the next step (the server answers 503; max_queue 0: only when no slot is free). Throws
     /// prescope::Error when the request can never run: empty prompt, a token outside the vocabulary, prompt
     /// not shorter than the slot's context, or prompt + max_tokens beyond it. Thread-safe.
     std::shared_ptr<RequestHandle> submit(GenerationRequest request);
@@ -163,6 +165,8 @@ class BatchScheduler {
     SchedulerParams params_;
     int64_t n_slots_ = 0, slot_ctx_ = 0, n_batch_ = 0;
     std::vector<Slot> slots_;
+    std::vector<int32_t> eog_;  // end-of-generation token ids (ignore_eos masks them)
+    std::vector<float> masked_;  // [n_vocab] a logits row with eog_ at -inf
     uint64_t admissions_ = 0;  // admission order of the slots, for first-come prefill
 
     mutable std::mutex mutex_;  // guards queue_, stop_, metrics_, stats_*

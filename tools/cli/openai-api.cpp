@@ -249,6 +249,7 @@ ApiRequest parse_request(Endpoint endpoint, std::string_view text, const ApiCont
     GenerationRequest &g = r.generation;
     g.sampling = sampling(body);
     g.stop = stop_strings(body);
+    g.ignore_eos = boolean(body, "ignore_eos", false);
     // max_completion_tokens is the chat API's newer name; -1 is llama-server's "no limit".
     const int64_t max_ctx = std::max<int64_t>(ctx.slot_ctx, 1);
     g.max_tokens = integer(body, "max_tokens", -1, -1, std::numeric_limits<int64_t>::max());

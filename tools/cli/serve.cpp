@@ -15,10 +15,12 @@
 #include <httplib.h>
 #include <nlohmann/json.hpp>
 
-#include <pthread.h>
 #include <signal.h>
+#include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
+#include <cstring>
 #include <chrono>
 #include <ctime>
 #include <filesystem>
@@ -47,6 +49,12 @@ struct ServeArgs {
 // (0.11) notices a client that went away, so a silent request (queued, or in a long prefill) still frees its
 // slot within a few heartbeats of a disconnect (decision 0117).
 constexpr auto kHeartbeat = std::chrono::milliseconds(200);
+
+int g_stop_pipe[2] = {-1, -1};
+void on_stop_signal(int) {
+    const char c = 1;
+    [[maybe_unused]] const ssize_t n = write(g_stop_pipe[1], &c, 1);
+}
 
 std::string dump(const json &j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
 
@@ -320,25 +328,26 @@ std::string Server::metrics_text() {
 }
 
 void Server::route() {
-    // llama-server's public endpoints stay open with --api-key: /health and /v1/models.
-    http_.set_pre_routing_handler([this](const httplib::Request &req, httplib::Response &res) {
-        if (args_.api_key.empty() || req.path == "/health" || req.path == "/v1/models") {
-            return httplib::Server::HandlerResponse::Unhandled;
-        }
-        if (req.get_header_value("Authorization") == "Bearer " + args_.api_key) {
-            return httplib::Server::HandlerResponse::Unhandled;
-        }
-        ++unauthorized_;
-        send_error(res, ApiError(401, "Invalid API key (send the header 'Authorization: Bearer KEY').",
-                                 "invalid_request_error", "", "invalid_api_key"));
-        return httplib::Server::HandlerResponse::Handled;
-    });
-    http_.Post("/v1/completions", [this](const httplib::Request &req, httplib::Response &res) {
+    // With --api-key every endpoint but llama-server's public ones (/health, /v1/models) needs the key. Checked in
+    // the handler, after httplib has read the body: a pre-routing answer would leave the body unread on a
+    // keep-alive connection.
+    const auto guarded = [this](httplib::Server::Handler h) {
+        return [this, h](const httplib::Request &req, httplib::Response &res) {
+            if (!args_.api_key.empty() && req.get_header_value("Authorization") != "Bearer " + args_.api_key) {
+                ++unauthorized_;
+                send_error(res, ApiError(401, "Invalid API key (send the header 'Authorization: Bearer KEY').",
+                                         "invalid_request_error", "", "invalid_api_key"));
+                return;
+            }
+            h(req, res);
+        };
+    };
+    http_.Post("/v1/completions", guarded([this](const httplib::Request &req, httplib::Response &res) {
         generate(req, res, Endpoint::completions);
-    });
-    http_.Post("/v1/chat/completions", [this](const httplib::Request &req, httplib::Response &res) {
+    }));
+    http_.Post("/v1/chat/completions", guarded([this](const httplib::Request &req, httplib::Response &res) {
         generate(req, res, Endpoint::chat_completions);
-    });
+    }));
     http_.Get("/v1/models", [this](const httplib::Request &, httplib::Response &res) {
         json m = {{"id", model_id_}, {"object", "model"}, {"created", created_}, {"owned_by", "prescope"},
                   {"meta", {{"n_ctx_slot", sched_.slot_ctx()}, {"n_slots", sched_.n_slots()},
@@ -348,9 +357,9 @@ void Server::route() {
     http_.Get("/health", [](const httplib::Request &, httplib::Response &res) {
         res.set_content(R"({"status":"ok"})", "application/json");
     });
-    http_.Get("/metrics", [this](const httplib::Request &, httplib::Response &res) {
+    http_.Get("/metrics", guarded([this](const httplib::Request &, httplib::Response &res) {
         res.set_content(metrics_text(), "text/plain; version=0.0.4");
-    });
+    }));
     http_.set_error_handler([](const httplib::Request &req, httplib::Response &res) {
         // Only for statuses no handler set a body for (404, 405, 413 from httplib itself).
         if (!res.body.empty()) return;
@@ -397,32 +406,31 @@ void Server::run() {
                  (long long)args_.common.n_batch);
     std::fflush(stderr);
 
-    // SIGINT / SIGTERM stop the server from a thread of their own (httplib's stop() is not async-signal-safe).
-    sigset_t set;
-    sigemptyset(&set);
-    sigaddset(&set, SIGINT);
-    sigaddset(&set, SIGTERM);
+    // SIGINT / SIGTERM stop the server from a thread of their own (httplib's stop() is not async-signal-safe): the
+    // handler only writes a byte to a pipe that thread reads. A handler, not sigwait(), since threads that libraries
+    // start before main (OpenBLAS) do not block the signals.
+    if (pipe(g_stop_pipe) != 0) fail("pipe() failed: {}", std::strerror(errno));
     std::atomic<bool> stopped{false};
-    std::thread signals([this, set, &stopped] {
-        int sig = 0;
-        sigwait(&set, &sig);
-        if (!stopped) spdlog::info("signal {}: stopping", sig);
+    std::thread signals([this, &stopped] {
+        char c = 0;
+        while (read(g_stop_pipe[0], &c, 1) < 0 && errno == EINTR) {
+        }
+        if (!stopped) spdlog::info("signal received: stopping");
         http_.stop();
     });
+    struct sigaction sa {};
+    sa.sa_handler = on_stop_signal;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, nullptr);
+    sigaction(SIGTERM, &sa, nullptr);
     http_.listen_after_bind();
     stopped = true;
-    pthread_kill(signals.native_handle(), SIGTERM);  // wakes sigwait when the server stopped by itself
+    on_stop_signal(0);  // wakes the thread when the server stopped by itself
     signals.join();
 }
 
 void run_serve(const ServeArgs &a) {
-    // Before any thread starts: every thread inherits the mask, so only the signal thread takes SIGINT/SIGTERM;
-    // a write to a closed socket must fail with EPIPE, not kill the process.
-    sigset_t set;
-    sigemptyset(&set);
-    sigaddset(&set, SIGINT);
-    sigaddset(&set, SIGTERM);
-    pthread_sigmask(SIG_BLOCK, &set, nullptr);
+    // A write to a socket the client closed must fail with EPIPE (the request is cancelled), not kill the process.
     signal(SIGPIPE, SIG_IGN);
 
     apply_common(a.common);
