@@ -41,7 +41,7 @@ struct ServeArgs {
     std::string api_key;             // --api-key: requests need "Authorization: Bearer KEY"
     std::string alias;               // --alias: the model id clients use (default: the file name)
     int64_t max_queue = 64;          // --max-queue: requests waiting for a slot before 503
-    int threads_http = 0;            // --threads-http; 0: np + max-queue + 8
+    int threads_http = 0;            // --threads-http; 0: np + max-queue + 64
     OffloadArgs offload;
 };
 
@@ -383,7 +383,7 @@ void Server::route() {
 
 void Server::run() {
     route();
-    const int threads = args_.threads_http > 0 ? args_.threads_http : int(args_.n_parallel + args_.max_queue + 8);
+    const int threads = args_.threads_http > 0 ? args_.threads_http : int(args_.n_parallel + args_.max_queue + 64);
     http_.new_task_queue = [threads] { return new httplib::ThreadPool(size_t(threads)); };
     http_.set_payload_max_length(size_t(64) << 20);
     // llama-server's default -to: a slow prefill or a long answer must not hit a socket timeout.
@@ -467,7 +467,7 @@ void register_serve(CLI::App &app) {
     cmd->add_option("--max-queue", a->max_queue, "requests waiting for a slot at most; more are answered 503")
         ->capture_default_str()
         ->check(CLI::Range(int64_t(0), int64_t(1) << 20));
-    cmd->add_option("--threads-http", a->threads_http, "HTTP threads (0: -np + --max-queue + 8)")
+    cmd->add_option("--threads-http", a->threads_http, "HTTP threads, one per open connection (0: -np + --max-queue + 64: room to answer 503, /health, /metrics)")
         ->capture_default_str()
         ->check(CLI::Range(0, 65536));
     add_offload_flags(*cmd, a->offload);
