@@ -149,7 +149,9 @@ BatchScheduler::BatchScheduler(Engine &engine, const Tokenizer &tokenizer, Sched
     }
 }
 
-BatchScheduler::~BatchScheduler() {
+BatchScheduler::~BatchScheduler() { stop(); }
+
+void BatchScheduler::stop() {
     {
         std::lock_guard lock(mutex_);
         stop_ = true;
@@ -186,6 +188,10 @@ std::shared_ptr<RequestHandle> BatchScheduler::submit(GenerationRequest r) {
     auto handle = std::shared_ptr<RequestHandle>(new RequestHandle(this));
     {
         std::lock_guard lock(mutex_);
+        if (stop_) {
+            handle->push(done_event(FinishReason::error, "the server is shutting down", n_prompt));
+            return handle;
+        }
         // The free slots take queued requests at the next step: those are not waiting.
         const int64_t free_slots = n_slots_ - metrics_.slots_busy;
         if (int64_t(queue_.size()) >= params_.max_queue + std::max<int64_t>(free_slots, 0)) {
@@ -211,6 +217,10 @@ void BatchScheduler::start() {
 
 void BatchScheduler::loop() {
     for (;;) {
+        {
+            std::lock_guard lock(mutex_);
+            if (stop_) return;
+        }
         refresh_stats_if_asked();
         bool worked = false;
         try {
@@ -275,6 +285,10 @@ void BatchScheduler::admit() {
 }
 
 bool BatchScheduler::step() {
+    {
+        std::lock_guard lock(mutex_);
+        if (stop_) return false;
+    }
     drop_cancelled();
     admit();
 

@@ -116,7 +116,7 @@ class BatchScheduler {
   public:
     /// engine and tokenizer must outlive the scheduler. engine.n_seq() slots of engine.n_ctx() tokens each.
     BatchScheduler(Engine &engine, const Tokenizer &tokenizer, SchedulerParams params = {});
-    /// Stops the engine thread; requests still queued or running get a done event with FinishReason::error.
+    /// stop().
     ~BatchScheduler();
     BatchScheduler(const BatchScheduler &) = delete;
     BatchScheduler &operator=(const BatchScheduler &) = delete;
@@ -134,6 +134,9 @@ class BatchScheduler {
     bool step();
     /// Starts the engine thread (steps while there is work, sleeps otherwise).
     void start();
+    /// Stops the engine thread after its current step; requests still queued or running get a done event with
+    /// FinishReason::error ("the server is shutting down"). Later steps and submissions do nothing. Thread-safe.
+    void stop();
 
     int64_t n_slots() const { return n_slots_; }
     /// Context per slot in tokens (prompt + generated tokens of one request).

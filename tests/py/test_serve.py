@@ -103,7 +103,12 @@ def serve(*args):
         for c in server.clients:
             c.close()  # idle keep-alive connections would hold the server's stop for its keep-alive timeout
         proc.terminate()
-        rc = proc.wait(timeout=30)
+        try:
+            rc = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            rc = "killed after 30 s"
         drain.join(timeout=5)
         assert rc == 0, "prescope serve did not stop cleanly on SIGTERM:\n" + "".join(server.log)
 
@@ -359,6 +364,37 @@ def test_disconnect_during_prefill():
         assert m["prescope_prompt_tokens_total"] < n_prompt
         c = s.client().completions.create(model=MODEL_ID, prompt=PROMPTS[1], max_tokens=8, temperature=0)
         assert c.choices[0].text == generate(PROMPTS[1], 8)
+
+
+def test_disconnect_non_streaming():
+    # A non-streamed request whose client closes the socket: the heartbeat (a space before the JSON) fails and
+    # the request is cancelled long before its 3000 tokens.
+    import socket
+
+    with serve("-np", "1", "-c", "4096", "--max-queue", "0") as s:
+        port = int(s.url.rsplit(":", 1)[1])
+        body = json.dumps({"prompt": PROMPTS[0], "max_tokens": 3000, "ignore_eos": True}).encode()
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            assert sock.recv(12).startswith(b"HTTP/1.1 200")
+        s.wait_metric('prescope_requests_total{result="cancelled"}', 1)
+        s.wait_metric("prescope_slots_busy", 0)
+        assert s.metrics()["prescope_generated_tokens_total"] < 3000
+
+
+def test_bad_command_lines(tmp_path):
+    def run(*args):
+        return subprocess.run([str(PRESCOPE), "serve", "-m", str(DEMO), "-t", "2", *args], capture_output=True,
+                              text=True, timeout=60)
+
+    r = run("-np", "8", "-c", "8")
+    assert r.returncode == 1 and "tokens per slot" in r.stderr
+    r = run("-np", "0")
+    assert r.returncode == 1 and "--parallel" in r.stderr
+    with serve("-np", "1", "-c", "512") as s:
+        r = run("--port", s.url.rsplit(":", 1)[1])
+        assert r.returncode == 1 and "cannot listen on 127.0.0.1" in r.stderr
 
 
 def test_api_key():

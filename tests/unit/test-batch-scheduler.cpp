@@ -29,6 +29,10 @@ class ScriptedEngine final : public Engine {
 
     void eval(std::span<const int32_t> tokens, bool) override { eval_batch(std::vector<SeqTokens>{{0, tokens, true}}); }
     void eval_batch(std::span<const SeqTokens> batch) override {
+        if (fail_next) {
+            fail_next = false;
+            fail("scripted failure");
+        }
         std::vector<Entry> step;
         logits_.clear();
         for (const SeqTokens &e : batch) {
@@ -62,6 +66,7 @@ class ScriptedEngine final : public Engine {
 
     std::vector<std::vector<Entry>> steps;
     std::map<int32_t, int> clears;
+    bool fail_next = false;  // the next eval_batch throws prescope::Error
 
   private:
     int64_t n_ctx_, n_vocab_;
@@ -290,6 +295,27 @@ TEST(BatchScheduler, CancelWhileQueued) {
     }
 }
 
+TEST(BatchScheduler, EngineFailureEndsTheBatchsRequestsOnly) {
+    const Tokenizer &tok = demo_tokenizer();
+    ScriptedEngine eng(2, 64, tok.n_vocab(), [](int32_t, int64_t, int32_t) { return 300; });
+    BatchScheduler s(eng, tok, {.max_queue = 8, .n_batch = 8});
+    auto a = s.submit(greedy({1}, 3));
+    auto b = s.submit(greedy({2}, 3));
+    eng.fail_next = true;
+    EXPECT_TRUE(s.step());
+    for (auto *h : {&a, &b}) {
+        const auto ev = drain(**h);
+        ASSERT_EQ(ev.size(), 1u);
+        EXPECT_EQ(ev[0].finish, FinishReason::error);
+        EXPECT_EQ(ev[0].error, "scripted failure");
+    }
+    EXPECT_EQ(s.metrics().requests_failed, 2u);
+    EXPECT_EQ(s.metrics().slots_busy, 0);
+    auto c = s.submit(greedy({3}, 2));  // the slots serve again
+    run_all(s);
+    EXPECT_EQ(drain(*c).back().finish, FinishReason::length);
+}
+
 TEST(BatchScheduler, QueueBoundCountsOnlyRequestsNoFreeSlotTakes) {
     const Tokenizer &tok = demo_tokenizer();
     ScriptedEngine eng(2, 64, tok.n_vocab(), [](int32_t, int64_t, int32_t) { return 300; });
@@ -338,6 +364,20 @@ TEST(BatchScheduler, EngineThreadServesConcurrentRequests) {
         EXPECT_EQ(text, " the the the the");
     }
     EXPECT_EQ(s.engine_stats()["routing"], "router");
+}
+
+TEST(BatchScheduler, StopEndsRunningAndQueuedRequests) {
+    const Tokenizer &tok = demo_tokenizer();
+    ScriptedEngine eng(1, 64, tok.n_vocab(), [](int32_t, int64_t, int32_t) { return 300; });
+    BatchScheduler s(eng, tok, {.max_queue = 8, .n_batch = 8});
+    auto a = s.submit(greedy({1}, 50));
+    auto b = s.submit(greedy({2}, 50));
+    s.step();
+    s.stop();
+    EXPECT_FALSE(s.step());
+    for (auto *h : {&a, &b}) EXPECT_EQ(drain(**h).back().finish, FinishReason::error);
+    auto c = s.submit(greedy({3}, 2));
+    EXPECT_EQ(drain(*c).back().error, "the server is shutting down");
 }
 
 TEST(StopScanner, HoldsBackOnlyPossibleStarts) {

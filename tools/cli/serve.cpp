@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include <signal.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -243,15 +244,21 @@ void Server::generate(const httplib::Request &req, httplib::Response &res, Endpo
         "application/json",
         [=](size_t, httplib::DataSink &sink) {
             std::string text;
+            auto last_write = std::chrono::steady_clock::now();
             for (;;) {
                 std::optional<GenerationEvent> e = handle->next(kHeartbeat);
-                if (!e) {
-                    // JSON allows leading whitespace: a space is a heartbeat the body's parser never sees.
-                    if (!sink.write(" ", 1)) return false;
+                if (!e || !e->done) {
+                    if (e) text += e->text;
+                    // JSON allows leading whitespace: a space is a heartbeat the body's parser never sees. Written
+                    // every kHeartbeat whether tokens come or not: only a write notices a client that left.
+                    const auto now = std::chrono::steady_clock::now();
+                    if (now - last_write >= kHeartbeat) {
+                        if (!sink.write(" ", 1)) return false;
+                        last_write = now;
+                    }
                     continue;
                 }
                 text += e->text;
-                if (!e->done) continue;
                 if (e->finish == FinishReason::cancelled) return false;
                 json body;
                 if (e->finish == FinishReason::error) {
@@ -386,6 +393,12 @@ void Server::run() {
     const int threads = args_.threads_http > 0 ? args_.threads_http : int(args_.n_parallel + args_.max_queue + 64);
     http_.new_task_queue = [threads] { return new httplib::ThreadPool(size_t(threads)); };
     http_.set_payload_max_length(size_t(64) << 20);
+    // httplib's default socket options add SO_REUSEPORT, with which a second server binds a port in use and the
+    // two share its connections silently: SO_REUSEADDR only (restarts need not wait for TIME_WAIT).
+    http_.set_socket_options([](socket_t sock) {
+        int yes = 1;
+        setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes);
+    });
     // llama-server's default -to: a slow prefill or a long answer must not hit a socket timeout.
     http_.set_read_timeout(600);
     http_.set_write_timeout(600);
@@ -416,6 +429,7 @@ void Server::run() {
         while (read(g_stop_pipe[0], &c, 1) < 0 && errno == EINTR) {
         }
         if (!stopped) spdlog::info("signal received: stopping");
+        sched_.stop();  // running requests end now (an error event), so their HTTP threads finish
         http_.stop();
     });
     struct sigaction sa {};
