@@ -23,22 +23,30 @@ Context::Context(const Model &model, ContextParams params, ExpertExecutor *execu
     : model_(model), params_(params) {
     const HParams &hp = model.hp();
     if (params_.n_ctx <= 0) params_.n_ctx = hp.n_ctx_train;
-    if (params_.n_batch <= 0 || params_.n_ctx <= 0) {
-        fail("invalid context: n_ctx {} and n_batch {} must be positive", params_.n_ctx, params_.n_batch);
+    if (params_.n_batch <= 0 || params_.n_ctx <= 0 || params_.n_seq <= 0) {
+        fail("invalid context: n_ctx {}, n_batch {} and n_seq {} must be positive", params_.n_ctx, params_.n_batch,
+             params_.n_seq);
     }
     warn_beyond_training_context(hp, params_.n_ctx);
-    params_.n_batch = std::min(params_.n_batch, params_.n_ctx);
+    // No pass holds more tokens than all caches together (n_ctx * n_seq, without overflowing).
+    if (params_.n_ctx < (params_.n_batch + params_.n_seq - 1) / params_.n_seq) {
+        params_.n_batch = params_.n_ctx * params_.n_seq;
+    }
 
-    // Everything below is sized by -c and -b: check it fits before touching it (std::vector zero-fills,
+    // Everything below is sized by -c, -b and n_seq: check it fits before touching it (std::vector zero-fills,
     // so an over-committed allocation would end in the kernel's OOM kill half-way through).
     const int64_t nb = params_.n_batch, n_q = hp.n_head * hp.head_dim, n_kv = hp.n_head_kv * hp.head_dim;
     // In double: a file's context_length (-c 0) may be any 64-bit number.
-    const double floats = 2.0 * double(hp.n_layer) * double(params_.n_ctx) * double(n_kv) +
-                          double(nb) * double(3 * hp.n_embd + 2 * n_q + 2 * n_kv + hp.n_expert + 1 +
-                                              (hp.shared_expert ? 2 * hp.n_ff_shexp + hp.n_embd : 0));
+    const double floats =
+        2.0 * double(hp.n_layer) * double(params_.n_seq) * double(params_.n_ctx) * double(n_kv) +
+        double(nb) * double(3 * hp.n_embd + 2 * n_q + 2 * n_kv + hp.n_expert + 4 +
+                            (hp.shared_expert ? 2 * hp.n_ff_shexp + hp.n_embd : 0));
     check_host_memory(uint64_t(std::min(floats * sizeof(float), 1.8e19)),
-                      fmt::format("the KV cache and activations for -c {} -b {}", params_.n_ctx, nb));
-    const size_t cache = size_t(hp.n_layer * params_.n_ctx * n_kv);
+                      params_.n_seq == 1
+                          ? fmt::format("the KV cache and activations for -c {} -b {}", params_.n_ctx, nb)
+                          : fmt::format("the KV caches and activations for -c {} -b {} and {} sequences",
+                                        params_.n_ctx, nb, params_.n_seq));
+    const size_t cache = size_t(hp.n_layer * params_.n_seq * params_.n_ctx * n_kv);
     if (!executor) {
         own_executor_ = std::make_unique<CpuExpertExecutor>(model, params_.n_batch);
         executor = own_executor_.get();
@@ -56,6 +64,10 @@ Context::Context(const Model &model, ContextParams params, ExpertExecutor *execu
     v_.resize(size_t(nb * n_kv));
     probs_.resize(size_t(nb * hp.n_expert));
     pos_.resize(size_t(nb));
+    batch_tokens_.resize(size_t(nb));
+    runs_.reserve(size_t(std::min(nb, params_.n_seq)) + 1);
+    out_rows_.reserve(size_t(nb));
+    n_past_.assign(size_t(params_.n_seq), 0);
     if (hp.shared_expert) shexp_.resize(size_t(nb * (2 * hp.n_ff_shexp + hp.n_embd)));
     routing_.ids.reserve(size_t(nb * hp.n_expert_used));
     routing_.weights.reserve(size_t(nb * hp.n_expert_used));
@@ -73,10 +85,51 @@ void check_eval_input(const HParams &hp, std::span<const int32_t> tokens, int64_
     }
 }
 
+void check_batch_input(const HParams &hp, std::span<const SeqTokens> batch, std::span<const int64_t> n_past,
+                       int64_t n_ctx) {
+    if (batch.empty()) fail("eval_batch: no entries to evaluate");
+    const auto n_seq = int64_t(n_past.size());
+    for (size_t e = 0; e < batch.size(); ++e) {
+        const int32_t seq = batch[e].seq;
+        if (seq < 0 || seq >= n_seq) {
+            fail("eval_batch entry {}: sequence {} is outside [0, {}) (the context holds {} sequences)", e, seq,
+                 n_seq, n_seq);
+        }
+        for (size_t f = 0; f < e; ++f) {
+            if (batch[f].seq == seq) fail("eval_batch: sequence {} is listed twice (entries {} and {})", seq, f, e);
+        }
+        try {
+            check_eval_input(hp, batch[e].tokens, n_past[size_t(seq)], n_ctx);
+        } catch (const Error &err) {
+            fail("eval_batch entry {} (sequence {}): {}", e, seq, err.what());
+        }
+    }
+}
+
+void Context::check_seq(int32_t seq) const {
+    if (seq < 0 || seq >= params_.n_seq) {
+        fail("sequence {} is outside [0, {}) (the context holds {} sequences)", seq, params_.n_seq, params_.n_seq);
+    }
+}
+
+int64_t Context::n_past(int32_t seq) const {
+    check_seq(seq);
+    return n_past_[size_t(seq)];
+}
+
+void Context::clear() {
+    std::fill(n_past_.begin(), n_past_.end(), 0);
+}
+
+void Context::clear(int32_t seq) {
+    check_seq(seq);
+    n_past_[size_t(seq)] = 0;
+}
+
 void Context::eval(std::span<const int32_t> tokens, bool all_logits) {
     const HParams &hp = model_.hp();
     const auto n = int64_t(tokens.size());
-    check_eval_input(hp, tokens, n_past_, params_.n_ctx);
+    check_eval_input(hp, tokens, n_past_[0], params_.n_ctx);
     const size_t n_logits = size_t((all_logits ? n : 1) * hp.n_vocab);
     if (n_logits > logits_.capacity()) {
         check_host_memory(n_logits * sizeof(float), fmt::format("the logits of {} tokens", all_logits ? n : 1));
@@ -84,33 +137,85 @@ void Context::eval(std::span<const int32_t> tokens, bool all_logits) {
     logits_.resize(n_logits);
     for (int64_t i = 0; i < n; i += params_.n_batch) {
         const int64_t m = std::min(params_.n_batch, n - i);
-        const bool last = i + m == n;
+        const Run run{0, m, n_past_[0]};
+        out_rows_.clear();
         if (all_logits) {
-            forward_batch(tokens.data() + i, m, true, logits_.data() + i * hp.n_vocab);
-        } else {
-            forward_batch(tokens.data() + i, m, false, last ? logits_.data() : nullptr);
+            for (int64_t r = 0; r < m; ++r) out_rows_.push_back(r);
+        } else if (i + m == n) {
+            out_rows_.push_back(m - 1);
         }
+        forward_pass(tokens.data() + i, m, {&run, 1}, out_rows_, logits_.data() + (all_logits ? i * hp.n_vocab : 0));
     }
 }
 
-void Context::forward_batch(const int32_t *tokens, int64_t n, bool all_logits, float *logits_out) {
+void Context::eval_batch(std::span<const SeqTokens> batch) {
+    const HParams &hp = model_.hp();
+    check_batch_input(hp, batch, n_past_, params_.n_ctx);
+    int64_t n_out = 0;
+    for (const SeqTokens &e : batch) n_out += e.logits ? 1 : 0;
+    const size_t n_logits = size_t(n_out * hp.n_vocab);
+    if (n_logits > logits_.capacity()) {
+        check_host_memory(n_logits * sizeof(float), fmt::format("the logits of {} sequences", n_out));
+    }
+    logits_.resize(n_logits);
+
+    // Entries fill passes of n_batch tokens in order; an entry that does not fit the rest of a pass goes on
+    // in the next. A run's positions come from its sequence's n_past before the call (forward_pass moves it).
+    int64_t filled = 0, row = 0;
+    runs_.clear();
+    out_rows_.clear();
+    const auto flush = [&] {
+        forward_pass(batch_tokens_.data(), filled, runs_, out_rows_, logits_.data() + row * hp.n_vocab);
+        row += int64_t(out_rows_.size());
+        filled = 0;
+        runs_.clear();
+        out_rows_.clear();
+    };
+    for (const SeqTokens &e : batch) {
+        const int64_t start = n_past_[size_t(e.seq)], n = int64_t(e.tokens.size());
+        for (int64_t done = 0; done < n;) {
+            const int64_t m = std::min(params_.n_batch - filled, n - done);
+            std::copy_n(e.tokens.data() + done, m, batch_tokens_.data() + filled);
+            runs_.push_back({e.seq, m, start + done});
+            done += m;
+            filled += m;
+            if (e.logits && done == n) out_rows_.push_back(filled - 1);
+            if (filled == params_.n_batch) flush();
+        }
+    }
+    if (filled > 0) flush();
+}
+
+void Context::forward_pass(const int32_t *tokens, int64_t n, std::span<const Run> runs,
+                           std::span<const int64_t> out_rows, float *logits_out) {
     const HParams &hp = model_.hp();
     const ModelWeights &w = model_.weights();
+    const cpu::BatchInvariantScope invariant(params_.deterministic);
     cpu::get_rows(w.tok_embd, tokens, n, x_.data());
-    for (int64_t i = 0; i < n; ++i) pos_[size_t(i)] = int32_t(n_past_ + i);
+    int64_t t = 0;
+    for (const Run &r : runs) {
+        for (int64_t i = 0; i < r.n; ++i) pos_[size_t(t++)] = int32_t(r.pos0 + i);
+    }
     for (int64_t il = 0; il < hp.n_layer; ++il) {
-        attention_block(il, n);
+        attention_block(il, n, runs);
         moe_block(il, n);
     }
-    n_past_ += n;
-    if (!logits_out) return;
-    // Only the rows whose logits are wanted go through the output head.
-    const int64_t first = all_logits ? 0 : n - 1, rows = n - first;
-    cpu::rms_norm(x_.data() + first * hp.n_embd, w.output_norm, rows, hp.n_embd, hp.rms_eps, h_.data());
+    for (const Run &r : runs) n_past_[size_t(r.seq)] = r.pos0 + r.n;
+    if (out_rows.empty()) return;
+    // Only the rows whose logits are wanted go through the output head (gathered unless they are the last ones).
+    const auto rows = int64_t(out_rows.size());
+    const float *xo = x_.data() + (n - rows) * hp.n_embd;
+    if (out_rows.front() != n - rows || out_rows.back() != n - 1) {
+        for (int64_t i = 0; i < rows; ++i) {
+            std::copy_n(x_.data() + out_rows[size_t(i)] * hp.n_embd, hp.n_embd, ffn_.data() + i * hp.n_embd);
+        }
+        xo = ffn_.data();
+    }
+    cpu::rms_norm(xo, w.output_norm, rows, hp.n_embd, hp.rms_eps, h_.data());
     cpu::matmul(w.output, h_.data(), rows, logits_out);
 }
 
-void Context::attention_block(int64_t il, int64_t n) {
+void Context::attention_block(int64_t il, int64_t n, std::span<const Run> runs) {
     const HParams &hp = model_.hp();
     const LayerWeights &l = model_.weights().layers[size_t(il)];
     const int64_t n_q = hp.n_head * hp.head_dim, n_kv = hp.n_head_kv * hp.head_dim;
@@ -134,12 +239,18 @@ void Context::attention_block(int64_t il, int64_t n) {
     cpu::rope(q_.data(), n, hp.n_head, hp.head_dim, pos_.data(), hp.rope_freq_base, hp.rope_mode);
     cpu::rope(k_.data(), n, hp.n_head_kv, hp.head_dim, pos_.data(), hp.rope_freq_base, hp.rope_mode);
 
-    float *kc = k_cache_.data() + il * params_.n_ctx * n_kv;
-    float *vc = v_cache_.data() + il * params_.n_ctx * n_kv;
-    std::copy_n(k_.data(), n * n_kv, kc + n_past_ * n_kv);
-    std::copy_n(v_.data(), n * n_kv, vc + n_past_ * n_kv);
-    cpu::attention(q_.data(), kc, vc, n, n_past_, hp.n_head, hp.n_head_kv, hp.head_dim,
-                   1.0f / std::sqrt(float(hp.head_dim)), attn_.data());
+    // Each run against its own sequence's cache.
+    int64_t t0 = 0;
+    for (const Run &r : runs) {
+        const int64_t cache_offset = (il * params_.n_seq + r.seq) * params_.n_ctx * n_kv;
+        float *kc = k_cache_.data() + cache_offset;
+        float *vc = v_cache_.data() + cache_offset;
+        std::copy_n(k_.data() + t0 * n_kv, r.n * n_kv, kc + r.pos0 * n_kv);
+        std::copy_n(v_.data() + t0 * n_kv, r.n * n_kv, vc + r.pos0 * n_kv);
+        cpu::attention(q_.data() + t0 * n_q, kc, vc, r.n, r.pos0, hp.n_head, hp.n_head_kv, hp.head_dim,
+                       1.0f / std::sqrt(float(hp.head_dim)), attn_.data() + t0 * n_q);
+        t0 += r.n;
+    }
     cpu::matmul(l.wo, attn_.data(), n, ffn_.data());
     for (int64_t i = 0; i < n * hp.n_embd; ++i) x_[size_t(i)] += ffn_[size_t(i)];
 }

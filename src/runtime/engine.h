@@ -19,15 +19,26 @@ namespace prescope {
 class OraclePredictor;
 class RoutingReplay;
 
-/// One sequence's forward pass. eval/logits/n_past/n_ctx/clear mean what they mean on Context.
+/// The forward pass of n_seq() sequences, each with its own KV cache of n_ctx() tokens. eval, eval_batch,
+/// logits, n_past, n_ctx and clear mean what they mean on Context: eval() runs sequence 0.
 class Engine {
   public:
     virtual ~Engine() = default;
     virtual void eval(std::span<const int32_t> tokens, bool all_logits = false) = 0;
+    /// One forward pass over every entry's tokens together (the MoE block sees all of them).
+    /// logits(): one [n_vocab] row per entry with logits == true, in entry order.
+    /// Throws prescope::Error: seq out of range or listed twice, empty tokens, a token outside the
+    /// vocabulary, an entry not fitting its sequence's context. Total tokens may exceed n_batch (split).
+    virtual void eval_batch(std::span<const SeqTokens> batch) = 0;
     virtual const std::vector<float> &logits() const = 0;
+    virtual int64_t n_seq() const = 0;
+    /// n_past() == n_past(0); n_past(seq) throws prescope::Error when seq is outside [0, n_seq()).
     virtual int64_t n_past() const = 0;
+    virtual int64_t n_past(int32_t seq) const = 0;
     virtual int64_t n_ctx() const = 0;
+    /// clear() forgets every sequence; clear(seq) only `seq` (throws as n_past(seq)).
     virtual void clear() = 0;
+    virtual void clear(int32_t seq) = 0;
     /// "cpu" or "cuda".
     virtual const char *backend_name() const = 0;
     /// Lines printed at start-up: device, expert store, cache, placement, routing source.
@@ -46,10 +57,14 @@ class CpuEngine final : public Engine {
     CpuEngine(const Model &model, ContextParams params, const OffloadConfig &config);
     ~CpuEngine() override;
     void eval(std::span<const int32_t> tokens, bool all_logits = false) override { ctx_.eval(tokens, all_logits); }
+    void eval_batch(std::span<const SeqTokens> batch) override { ctx_.eval_batch(batch); }
     const std::vector<float> &logits() const override { return ctx_.logits(); }
+    int64_t n_seq() const override { return ctx_.n_seq(); }
     int64_t n_past() const override { return ctx_.n_past(); }
+    int64_t n_past(int32_t seq) const override { return ctx_.n_past(seq); }
     int64_t n_ctx() const override { return ctx_.n_ctx(); }
     void clear() override { ctx_.clear(); }
+    void clear(int32_t seq) override { ctx_.clear(seq); }
     const char *backend_name() const override { return "cpu"; }
     std::string startup_text() const override;
     std::string stats_text() const override;

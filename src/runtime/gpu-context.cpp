@@ -81,6 +81,13 @@ void GpuContext::init() {
         fail("invalid context: n_ctx {} and n_batch {} must be positive", params_.n_ctx, params_.n_batch);
     }
     params_.n_batch = std::min(params_.n_batch, params_.n_ctx);
+    if (params_.n_seq != 1) {
+        fail("the GPU runtime runs one sequence for now, not {}; leave out the GPU flags to run on the CPU",
+             params_.n_seq);
+    }
+    if (params_.deterministic) {
+        fail("--deterministic is not in the GPU runtime yet; leave out the GPU flags to run on the CPU");
+    }
     std::string why;
     if (cuda_device_count(&why) == 0) {
         fail("--gpu-expert-budget (gpu_cache) needs a CUDA GPU, but none is usable here ({}); leave the flag out "
@@ -391,9 +398,34 @@ void GpuContext::eval(std::span<const int32_t> tokens, bool all_logits) {
     (n == 1 ? tokens_decode_ : tokens_prefill_) += n;
 }
 
+void GpuContext::eval_batch(std::span<const SeqTokens> batch) {
+    const int64_t n_past[1] = {n_past_};
+    check_batch_input(model_.hp(), batch, n_past, params_.n_ctx);
+    eval(batch[0].tokens);  // one sequence: the batch is its entry
+    if (!batch[0].logits) logits_.clear();
+}
+
+namespace {
+
+void check_one_sequence(int32_t seq) {
+    if (seq != 0) fail("sequence {} is outside [0, 1) (the GPU runtime holds 1 sequence)", seq);
+}
+
+} // namespace
+
+int64_t GpuContext::n_past(int32_t seq) const {
+    check_one_sequence(seq);
+    return n_past_;
+}
+
 void GpuContext::clear() {
     n_past_ = 0;
     moe_->reset();
+}
+
+void GpuContext::clear(int32_t seq) {
+    check_one_sequence(seq);
+    clear();
 }
 
 void GpuContext::forward_batch(const int32_t *tokens, int64_t n, bool all_logits, float *logits_out) {

@@ -27,17 +27,22 @@ namespace prescope {
 /// and once per batch that returns logits.
 class GpuContext final : public Engine {
   public:
-    /// Throws prescope::Error: no CUDA device; unsupported shapes (router over 1024 experts, top-k over 32,
+    /// Throws prescope::Error: n_seq other than 1 or deterministic (not yet on the GPU); no CUDA device; unsupported shapes (router over 1024 experts, top-k over 32,
     /// head sizes the attention kernel lacks); not enough device memory (with the sizes of each part);
     /// an expert budget below one layer's top-k (with the minimum); a bad placement or routing trace file.
     GpuContext(const Model &model, ContextParams params, const OffloadConfig &config);
     ~GpuContext() override;
 
     void eval(std::span<const int32_t> tokens, bool all_logits = false) override;
+    /// For now one sequence (n_seq 1): the entry of sequence 0, as eval().
+    void eval_batch(std::span<const SeqTokens> batch) override;
     const std::vector<float> &logits() const override { return logits_; }
+    int64_t n_seq() const override { return 1; }
     int64_t n_past() const override { return n_past_; }
+    int64_t n_past(int32_t seq) const override;
     int64_t n_ctx() const override { return params_.n_ctx; }
     void clear() override;
+    void clear(int32_t seq) override;
     const char *backend_name() const override { return "cuda"; }
     std::string startup_text() const override;
     std::string stats_text() const override;

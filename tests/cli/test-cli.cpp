@@ -533,3 +533,33 @@ TEST(Cli, DecodeBesideBusyCpusGivesTheSameTokens) {
                 n_cpus, a, o, o > 0 ? a / o : 0.0, s, o > 0 ? s / o : 0.0,
                 spinning.exit_code == 0 ? "" : " (spinning run cut at 60 s)");
 }
+
+// ---- issue 13: batch-invariant kernels ------------------------------------------------------------------
+
+namespace {
+
+/// The hex digits after "last logits hash " in a generate run's stats line.
+std::string logits_hash(const RunResult &r) {
+    const std::string key = "last logits hash ";
+    const size_t p = r.out.find(key);
+    return p == std::string::npos ? "" : r.out.substr(p + key.size(), 16);
+}
+
+} // namespace
+
+TEST(Cli, DeterministicLogitsDoNotDependOnHowThePromptIsSplit) {
+    // The same greedy text with and without the flag; with it, the last logits are the same bits whether the
+    // prompt goes in one pass or in passes of 3 tokens (decision 0111).
+    const std::string cmd = "generate -m " + demo_model() + " -p 'The Debian project is' -n 8 --temp 0 ";
+    const RunResult one = run(cmd + "--deterministic"), split = run(cmd + "--deterministic -b 3"),
+                    plain = run(cmd);
+    ASSERT_EQ(one.exit_code, 0) << one.out;
+    ASSERT_EQ(split.exit_code, 0) << split.out;
+    ASSERT_EQ(plain.exit_code, 0) << plain.out;
+    EXPECT_EQ(logits_hash(one).size(), 16u) << one.out;
+    EXPECT_EQ(logits_hash(one), logits_hash(split));
+    const std::string text = one.out.substr(0, one.out.find("stats:"));
+    EXPECT_GT(text.size(), 8u) << one.out;
+    EXPECT_EQ(text, split.out.substr(0, split.out.find("stats:")));
+    EXPECT_EQ(text, plain.out.substr(0, plain.out.find("stats:")));
+}

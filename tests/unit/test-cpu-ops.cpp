@@ -13,6 +13,7 @@
 // - rope: |err| <= 5e-7 * (1 + theta) * |pair| (the angle is an F32 product pos * inv_freq, as in HF).
 // - attention: |err| <= 2e-5 * sum_j p_j |v_j| per output element.
 // - get_rows, add_bias, top_k: exact.
+#include "../common/random-blocks.h"
 #include "backend/cpu/kernels.h"
 #include "backend/cpu/ops.h"
 #include "core/dtype.h"
@@ -574,6 +575,114 @@ TEST(CpuOps, AttentionMatchesReference) {
             }
         }
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// batch invariance (BatchInvariantScope, decision 0111)
+
+TEST(CpuOps, BatchInvariantMatmulRowsDoNotDependOnTheOtherTokens) {
+    const int64_t n_in = 512, n_out = 70, n_all = 40;
+    std::mt19937 rng(17);
+    const std::vector<float> x = random_floats(size_t(n_all * n_in), rng);
+    // Tokens [first, first + n) multiplied alone, in one call and as one of several jobs: 1 to 13 tokens would
+    // take the GEMV (each grouping its own accumulator chains), 14 and more the GEMM, without the scope.
+    const std::pair<int64_t, int64_t> slices[] = {{0, 1}, {7, 1}, {3, 2}, {5, 3}, {10, 8}, {1, 13}, {20, 14}, {4, 17}, {0, 33}};
+    for (DType type : {DType::F32, DType::F16, DType::BF16, DType::Q8_0, DType::Q4_1, DType::Q4_K, DType::Q6_K}) {
+        SCOPED_TRACE(dtype_name(type));
+        const std::vector<uint8_t> w = test::random_weights(type, n_out, n_in, 40 + uint32_t(type));
+        std::vector<float> wf(size_t(n_out * n_in));
+        for (int64_t r = 0; r < n_out; ++r)
+            dequantize_row(type, w.data() + size_t(r) * dtype_row_bytes(type, n_in), wf.data() + r * n_in, n_in);
+        for_each_activation_mode([&] {
+            std::vector<double> ref, scale;
+            reference_matmul(wf, n_in, n_out, multiplied(type, x, n_in), n_all, ref, scale);
+            for_each_config([&] {
+                const BatchInvariantScope invariant;
+                ASSERT_TRUE(batch_invariant());
+                std::vector<float> all(size_t(n_all * n_out), kNaN);
+                matmul(type, w.data(), n_in, n_out, x.data(), n_all, all.data());
+                // Against the reference where its tolerance holds (the Q8_1 min term and K-quants are checked
+                // in test-quant).
+                if (std::find(std::begin(kWeightTypes), std::end(kWeightTypes), type) != std::end(kWeightTypes)) {
+                    EXPECT_TRUE(all_close(all, ref, scale, kMatmulTol));
+                }
+                std::vector<MatmulJob> jobs;
+                std::vector<std::vector<float>> job_out;
+                for (const auto &[first, n] : slices) job_out.emplace_back(size_t(n * n_out), kNaN);
+                for (size_t i = 0; i < std::size(slices); ++i) {
+                    const auto [first, n] = slices[i];
+                    const std::vector<float> want(all.begin() + first * n_out, all.begin() + (first + n) * n_out);
+                    std::vector<float> one(size_t(n * n_out), kNaN);
+                    matmul(type, w.data(), n_in, n_out, x.data() + first * n_in, n, one.data());
+                    EXPECT_TRUE(bitwise_equal(one, want)) << n << " tokens from " << first;
+                    jobs.push_back({w.data(), x.data() + first * n_in, n, job_out[i].data()});
+                }
+                matmul_batch(type, n_in, n_out, jobs.data(), int64_t(jobs.size()));
+                for (size_t i = 0; i < std::size(slices); ++i) {
+                    const auto [first, n] = slices[i];
+                    EXPECT_TRUE(bitwise_equal(job_out[i], {all.begin() + first * n_out, all.begin() + (first + n) * n_out}))
+                        << "job of " << n << " tokens from " << first;
+                }
+            });
+        });
+    }
+    EXPECT_FALSE(batch_invariant());
+}
+
+// Without the scope the GEMM path is batch-invariant on its own: a token's row is the same in every call of 14
+// tokens and more (decision 0111 lists what may differ below that).
+TEST(CpuOps, DefaultGemmPathRowsDoNotDependOnTheOtherTokens) {
+    const int64_t n_in = 512, n_out = 70, n_all = 40;
+    std::mt19937 rng(18);
+    const std::vector<float> x = random_floats(size_t(n_all * n_in), rng);
+    for (DType type : {DType::F32, DType::Q8_0, DType::Q4_K}) {
+        SCOPED_TRACE(dtype_name(type));
+        const std::vector<uint8_t> w = test::random_weights(type, n_out, n_in, 50 + uint32_t(type));
+        for_each_config([&] {
+            std::vector<float> all(size_t(n_all * n_out), kNaN);
+            matmul(type, w.data(), n_in, n_out, x.data(), n_all, all.data());
+            for (const auto &[first, n] : {std::pair<int64_t, int64_t>{0, 14}, {3, 17}, {26, 14}, {1, 33}}) {
+                std::vector<float> part(size_t(n * n_out), kNaN);
+                matmul(type, w.data(), n_in, n_out, x.data() + first * n_in, n, part.data());
+                EXPECT_TRUE(bitwise_equal(part, {all.begin() + first * n_out, all.begin() + (first + n) * n_out}))
+                    << n << " tokens from " << first;
+            }
+        });
+    }
+}
+
+TEST(CpuOps, BatchInvariantAttentionRowsDoNotDependOnTheOtherQueriesOrThreads) {
+    std::mt19937 rng(73);
+    const int64_t n_head = 8, head_dim = 64, n_tok = 5, pos0 = 70, n_pos = pos0 + n_tok;
+    for (int64_t n_head_kv : {1, 2}) {
+        SCOPED_TRACE("n_head_kv " + std::to_string(n_head_kv));
+        const std::vector<float> q = random_floats(size_t(n_tok * n_head * head_dim), rng, -2.0f, 2.0f);
+        const std::vector<float> k = random_floats(size_t(n_pos * n_head_kv * head_dim), rng, -2.0f, 2.0f);
+        const std::vector<float> v = random_floats(size_t(n_pos * n_head_kv * head_dim), rng);
+        const float scale = 1.0f / std::sqrt(float(head_dim));
+        const int64_t row = n_head * head_dim;
+        for (CpuIsa isa : supported_isas()) {
+            SCOPED_TRACE(cpu_isa_name(isa));
+            set_cpu_isa(isa);
+            const BatchInvariantScope invariant;
+            std::vector<float> first;  // all queries at once, one thread
+            // More threads than (token, KV head) pairs: without the scope the heads of a KV head would be split.
+            for (int threads : {1, 2, 4, 8}) {
+                set_threads(threads);
+                std::vector<float> all(q.size(), kNaN), single(q.size(), kNaN);
+                attention(q.data(), k.data(), v.data(), n_tok, pos0, n_head, n_head_kv, head_dim, scale, all.data());
+                for (int64_t t = 0; t < n_tok; ++t) {
+                    attention(q.data() + t * row, k.data(), v.data(), 1, pos0 + t, n_head, n_head_kv, head_dim, scale,
+                              single.data() + t * row);
+                }
+                if (first.empty()) first = all;
+                EXPECT_TRUE(bitwise_equal(all, single)) << threads << " threads";
+                EXPECT_TRUE(bitwise_equal(all, first)) << threads << " threads";
+            }
+        }
+    }
+    set_cpu_isa(cpu_isa_supported());
+    set_threads(0);
 }
 
 TEST(CpuOps, AttentionWithScoresGrowingAlongTheCache) {

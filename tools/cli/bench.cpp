@@ -57,7 +57,7 @@ void run_bench(const BenchArgs &a) {
         fail("bench: the tests need a context of {} tokens (-p {}, -n {}), more than {} tokens", need, a.n_prompt,
              a.n_gen, a.common.n_ctx > 0 ? fmt::format("-c {}", limit) : fmt::format("the model's {}", limit));
     }
-    const std::unique_ptr<Engine> engine = make_engine(*model, {need, a.common.n_batch}, offload);
+    const std::unique_ptr<Engine> engine = make_engine(*model, {need, a.common.n_batch, 1, a.common.deterministic}, offload);
     Engine &ctx = *engine;
     print_startup(offload, ctx);
     std::mt19937 rng(1234);

@@ -16,6 +16,7 @@ struct CommonArgs {
     int threads = 0;         // -t; 0: physical cores
     int64_t n_ctx = 4096;    // -c; 0: the model's training context
     int64_t n_batch = 512;   // -b
+    bool deterministic = false;  // --deterministic: batch-invariant kernels (ContextParams::deterministic)
     int verbosity = 0;       // -v (repeatable)
 };
 void add_common_flags(CLI::App &app, CommonArgs &args);

@@ -20,6 +20,9 @@ void add_common_flags(CLI::App &app, CommonArgs &args) {
     app.add_option("-b,--batch-size", args.n_batch, "tokens per forward pass")
         ->capture_default_str()
         ->check(CLI::Range(int64_t(1), int64_t(1) << 24));
+    app.add_flag("--deterministic", args.deterministic,
+                 "batch-invariant kernels: a sequence's logits bit-identical whatever else is in the batch and "
+                 "however its prompt is split (slower decode on the CPU; docs/decisions/0111-batch-invariance.md)");
     app.add_flag("-v,--verbose", args.verbosity, "more logging (repeat for debug)");
 }
 

@@ -72,7 +72,7 @@ void run_generate(const GenerateArgs &a) {
     }
 
     const OffloadConfig offload = resolve_offload(a.offload);
-    const std::unique_ptr<Engine> engine = make_engine(*model, {a.common.n_ctx, a.common.n_batch}, offload);
+    const std::unique_ptr<Engine> engine = make_engine(*model, {a.common.n_ctx, a.common.n_batch, 1, a.common.deterministic}, offload);
     Engine &ctx = *engine;
     print_startup(offload, ctx);
     if (int64_t(prompt_ids.size()) >= ctx.n_ctx()) {

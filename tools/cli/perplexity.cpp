@@ -39,7 +39,7 @@ void register_perplexity(CLI::App &app) {
             fail("perplexity needs a context of at least 3 tokens (it scores each chunk's second half), got -c {}",
                  n_ctx);
         }
-        Context ctx(*model, {n_ctx, std::min(a->common.n_batch, n_ctx)});
+        Context ctx(*model, {n_ctx, std::min(a->common.n_batch, n_ctx), 1, a->common.deterministic});
         const auto t0 = std::chrono::steady_clock::now();
         const PerplexityResult r = perplexity(ctx, tokens, n_ctx, tok.add_bos() ? tok.bos() : -1,
                                               [](int64_t chunk, double ppl) {

@@ -78,7 +78,7 @@ void run_trace(const TraceArgs &a) {
     std::optional<OutputFile> hidden_out;
     if (!a.hidden.empty()) hidden_out.emplace(a.hidden);
 
-    Context ctx(*model, {a.common.n_ctx, a.common.n_batch});
+    Context ctx(*model, {a.common.n_ctx, a.common.n_batch, 1, a.common.deterministic});
     if (a.n_generate >= ctx.n_ctx()) fail("-n {} leaves no room for a prompt in a context of {}", a.n_generate, ctx.n_ctx());
     const std::string name = a.model_name.empty() ? std::filesystem::path(a.common.model).stem().string() : a.model_name;
     TraceRecorder rec(ctx, name, a.command_line, !a.hidden.empty());

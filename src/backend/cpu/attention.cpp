@@ -30,9 +30,11 @@ void attention(const float *q, const float *k_cache, const float *v_cache, int64
 
     // A task is (token, KV head, a run of that KV head's query heads): the run's scores come from one
     // pass over the K rows (a GEMV with the query heads as tokens). Runs are shortened only until
-    // every thread has a task (decode: one token, few KV heads).
+    // every thread has a task (decode: one token, few KV heads), and never under a BatchInvariantScope: the
+    // GEMV's accumulator chains per head depend on how many heads it computes together.
     int64_t heads_per_task = group;
-    while (heads_per_task > 1 && n_tok * n_head_kv * ((group + heads_per_task - 1) / heads_per_task) < nth)
+    while (!batch_invariant() && heads_per_task > 1 &&
+           n_tok * n_head_kv * ((group + heads_per_task - 1) / heads_per_task) < nth)
         heads_per_task = (heads_per_task + 1) / 2;
     const int64_t runs = (group + heads_per_task - 1) / heads_per_task;
     const int64_t n_tasks = n_tok * n_head_kv * runs;

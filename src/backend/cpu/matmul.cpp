@@ -49,6 +49,9 @@ struct QuantItem {
 // Tokens quantized per task of the quantization step (GEMM jobs; GEMV jobs have fewer).
 constexpr int64_t kQuantTokens = 16;
 
+// BatchInvariantScope instances alive on this thread.
+thread_local int t_batch_invariant = 0;
+
 int64_t ceil_div(int64_t a, int64_t b) {
     return (a + b - 1) / b;
 }
@@ -58,10 +61,9 @@ int64_t round_up(int64_t a, int64_t b) {
 }
 
 /// Rows [r0, r1) of one GEMM job: weight tiles converted to F32, then KernelTable::gemm on the
-/// packed activations xt, or OpenBLAS sgemm on x.
-void gemm_rows(const KernelTable &k, DType type, const uint8_t *w, size_t row_bytes, int64_t n_in, int64_t n_out,
-               int64_t r0, int64_t r1, const float *x, const float *xt, int64_t n_tok, float *y) {
-    const bool own = GemmBackend(g_gemm_backend.load()) == GemmBackend::OWN;
+/// packed activations xt (own), or OpenBLAS sgemm on x.
+void gemm_rows(const KernelTable &k, DType type, bool own, const uint8_t *w, size_t row_bytes, int64_t n_in,
+               int64_t n_out, int64_t r0, int64_t r1, const float *x, const float *xt, int64_t n_tok, float *y) {
     const int64_t block = own ? k.gemm_row_pad : 1;
     const int64_t tile_rows = std::max<int64_t>(block, kTileBytes / (n_in * 4) / block * block);
     thread_local std::vector<float> tile;
@@ -111,6 +113,18 @@ void add_q8_1_min_correction(const uint8_t *w, size_t row_bytes, int64_t n_in, i
 
 } // namespace
 
+BatchInvariantScope::BatchInvariantScope(bool on) : on_(on) {
+    if (on_) ++t_batch_invariant;
+}
+
+BatchInvariantScope::~BatchInvariantScope() {
+    if (on_) --t_batch_invariant;
+}
+
+bool batch_invariant() {
+    return t_batch_invariant > 0;
+}
+
 int64_t gemm_min_tokens() {
     return g_gemm_min_tokens.load();
 }
@@ -133,8 +147,11 @@ void matmul_batch(DType type, int64_t n_in, int64_t n_out, const MatmulJob *jobs
     const KernelTable &k = kernels();
     const size_t row_bytes = dtype_row_bytes(type, n_in);
     const int nth = threads_here();
-    const int64_t min_gemm_tok = gemm_min_tokens();
-    const bool own_gemm = gemm_backend() == GemmBackend::OWN;
+    // Batch-invariant: the GEMM path even for one token (the GEMV's accumulator chains depend on how many
+    // tokens share a weight row); its outputs do not depend on n_tok.
+    const bool invariant = batch_invariant();
+    const int64_t min_gemm_tok = invariant ? 1 : gemm_min_tokens();
+    const bool own_gemm = invariant || gemm_backend() == GemmBackend::OWN;
     // Quantized activations (decision 0060): GEMV jobs read them as blocks of the vec-dot type; GEMM jobs
     // read them dequantized back to F32, so that every path multiplies the same values.
     const bool qact = quantizes_activations(type);
@@ -257,8 +274,8 @@ void matmul_batch(DType type, int64_t n_in, int64_t n_out, const MatmulJob *jobs
             const MatmulJob &job = jobs[it.job];
             const auto *w = static_cast<const uint8_t *>(job.w) + size_t(it.r0) * row_bytes;
             if (job.n_tok >= min_gemm_tok) {
-                gemm_rows(k, type, static_cast<const uint8_t *>(job.w), row_bytes, n_in, n_out, it.r0, it.r1,
-                          gemm_x(it.job), xt + xt_offsets[it.job], job.n_tok, job.y);
+                gemm_rows(k, type, own_gemm, static_cast<const uint8_t *>(job.w), row_bytes, n_in, n_out, it.r0,
+                          it.r1, gemm_x(it.job), xt + xt_offsets[it.job], job.n_tok, job.y);
                 if (q8_1_mins) {
                     add_q8_1_min_correction(static_cast<const uint8_t *>(job.w), row_bytes, n_in, n_out, it.r0,
                                             it.r1, xc + xa_offsets[it.job] / 32, job.n_tok, job.y);

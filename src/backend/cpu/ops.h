@@ -60,6 +60,24 @@ struct MatmulJob {
     int64_t n_tok;     // may be 0 (job skipped)
     float *y;          // [n_tok][n_out] F32, overwritten
 };
+/// Batch-invariant kernels (ContextParams::deterministic, docs/decisions/0111-batch-invariance.md): while one
+/// lives on a thread, matmul and matmul_batch called from that thread take the GEMM path for every job (own
+/// GEMM, never OpenBLAS: one FMA chain per output, over the inputs in order, whatever n_tok), and attention runs
+/// the query heads of each KV head in one task whatever n_tok and the thread count. A token's outputs are then
+/// bit-identical whatever the other tokens of the call. Nests; `on` false does nothing.
+class BatchInvariantScope {
+  public:
+    explicit BatchInvariantScope(bool on = true);
+    ~BatchInvariantScope();
+    BatchInvariantScope(const BatchInvariantScope &) = delete;
+    BatchInvariantScope &operator=(const BatchInvariantScope &) = delete;
+
+  private:
+    bool on_;
+};
+/// Whether a BatchInvariantScope is alive on this thread.
+bool batch_invariant();
+
 /// Several matmuls of one dtype and shape (e.g. the experts of one layer, each with the tokens
 /// routed to it) in one parallel region, the rows of all jobs shared out among the threads. Same
 /// results as calling matmul once per job. Safe inside an OpenMP parallel region (runs serially).
