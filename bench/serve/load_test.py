@@ -65,6 +65,7 @@ class Stats:
     def __init__(self):
         self.completed = 0
         self.dropped = 0
+        self.drop_planned = 0
         self.rejected_503 = 0
         self.errors = []
         self.ttft = []
@@ -77,6 +78,7 @@ async def one_request(client, model, rng, stats, args):
     chat = rng.random() < args.chat_share
     stream = rng.random() < args.stream_share
     drop = stream and rng.random() < args.drop_share
+    stats.drop_planned += drop
     kw = dict(model=model, max_tokens=rng.randint(args.min_tokens, args.max_tokens), temperature=rng.choice([0.0, 0.8]),
               seed=rng.randint(0, 2**31 - 1))
     if chat:
@@ -209,6 +211,7 @@ def main():
         "requests_done": stats.completed + stats.dropped + len(stats.errors),
         "requests_not_started": left,
         "completed": stats.completed,
+        "drop_planned": stats.drop_planned,
         "dropped_mid_stream": stats.dropped,
         "rejected_503_retried": stats.rejected_503,
         "errors": len(stats.errors),
@@ -235,7 +238,7 @@ def main():
     result["failures"] = fails
 
     print(f"{'metric':<34} {'value':>12}")
-    for k in ("requests_done", "completed", "dropped_mid_stream", "rejected_503_retried", "errors"):
+    for k in ("requests_done", "completed", "drop_planned", "dropped_mid_stream", "rejected_503_retried", "errors"):
         print(f"{k:<34} {result[k]:>12}")
     print(f"{'wall_s':<34} {wall:>12.1f}")
     print(f"{'streamed chunks/s':<34} {result['streamed_tokens_per_s']:>12.1f}")

@@ -305,8 +305,8 @@ def run_concurrently(client, prompts, n, background):
 def test_batch_independence(server, mode):
     # Greedy text of each request alone (== `prescope generate`, one sequence) == the same requests sent together
     # beside two sampled streams (the batch then mixes their decodes and prefill chunks). With --deterministic this
-    # is exact by construction (bit-identical logits, docs/decisions/0111); the default's kernels may move the
-    # last bits with the batch, which leaves the demo's greedy tokens unchanged on these prompts.
+    # is exact by construction (bit-identical logits, docs/decisions/0111); the default's kernels move the logits
+    # a little with the batch (decision 0111), which leaves the demo's greedy tokens unchanged on these prompts.
     def check(s, *flags):
         client = s.client()
         alone = [client.completions.create(model=MODEL_ID, prompt=p, max_tokens=32, temperature=0).choices[0].text
