@@ -74,10 +74,9 @@ class Stats:
         self.completion_tokens = 0
 
 
-async def one_request(client, model, rng, stats, args):
+async def one_request(client, model, rng, drop, stats, args):
     chat = rng.random() < args.chat_share
-    stream = rng.random() < args.stream_share
-    drop = stream and rng.random() < args.drop_share
+    stream = drop or rng.random() < args.stream_share
     stats.drop_planned += drop
     kw = dict(model=model, max_tokens=rng.randint(args.min_tokens, args.max_tokens), temperature=rng.choice([0.0, 0.8]),
               seed=rng.randint(0, 2**31 - 1))
@@ -98,7 +97,7 @@ async def one_request(client, model, rng, stats, args):
                 return
             s = await create(**kw, stream=True)
             first, last, chunks = None, None, 0
-            drop_after = rng.randint(1, 4) if drop else None
+            drop_after = rng.randint(1, 3) if drop else None
             async for ch in s:
                 if not ch.choices:
                     continue
@@ -135,15 +134,18 @@ async def one_request(client, model, rng, stats, args):
 async def run_phase(url, model, n_requests, concurrency, seed, stats, args, deadline):
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=args.api_key, max_retries=0, timeout=args.request_timeout)
     rng = random.Random(seed)
-    seeds = [rng.randint(0, 2**31 - 1) for _ in range(n_requests)]
+    # Exactly round(drop_share * n) requests, spread at random, drop their stream.
+    n_drop = round(args.drop_share * n_requests)
+    drops = [i < n_drop for i in range(n_requests)]
+    rng.shuffle(drops)
     queue = asyncio.Queue()
-    for s in seeds:
-        queue.put_nowait(s)
+    for d in drops:
+        queue.put_nowait((rng.randint(0, 2**31 - 1), d))
 
     async def worker():
         while not queue.empty() and time.monotonic() < deadline:
-            s = queue.get_nowait()
-            await one_request(client, model, random.Random(s), stats, args)
+            s, d = queue.get_nowait()
+            await one_request(client, model, random.Random(s), d, stats, args)
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     await client.close()
@@ -164,7 +166,7 @@ def main():
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--warmup", type=int, default=64, help="requests before the first RSS reading")
-    ap.add_argument("--drop-share", type=float, default=0.10, help="share of streamed requests dropped mid-stream")
+    ap.add_argument("--drop-share", type=float, default=0.10, help="share of the requests that drop their stream")
     ap.add_argument("--stream-share", type=float, default=1.0)
     ap.add_argument("--chat-share", type=float, default=0.5)
     ap.add_argument("--min-tokens", type=int, default=8)
