@@ -5,7 +5,7 @@
 # the same client (bench/serve/bench_serve.py) at concurrency CONC. Also runs test-gpu (the GPU runtime's tests,
 # several sequences among them) first. Every log goes into $OUT/serve-logs.tar.gz; read $OUT/summary.txt first.
 #
-#   [BUDGET=12] [NP=64] [CONC="1 8 32 64"] [GEN=32] [ROUNDS=1] [PEER_DEADLINE=s] OUT=dir bash scripts/device/bench_serve.sh
+#   [BUDGET=12] [NP=64] [CONC="1 8 32 64"] [GEN=32] [ROUNDS=1] [PROMPT_WORDS=16] [PEER_DEADLINE=s] OUT=dir bash scripts/device/bench_serve.sh
 #
 # llama-server is a comparison peer built outside this repository: the script runs .carry/peer/build.sh (not in
 # the repository) in the background while PreScope builds, and skips the peer when it is not built by
@@ -19,10 +19,11 @@ NP=${NP:-64}
 CONC=${CONC:-1 8 32 64}
 GEN=${GEN:-32}
 ROUNDS=${ROUNDS:-1}
+PROMPT_WORDS=${PROMPT_WORDS:-16}  # about 95 tokens with the benchmark model's tokenizer
 PEER_DEADLINE=${PEER_DEADLINE:-420}
 TRACE=traces/topo-b-test.pstrace
 SHAPE=qwen3-30b-a3b
-CTX=$((NP * 256))  # 256 tokens per slot: a 64-word prompt and the generated tokens fit
+CTX=$((NP * 256))  # 256 tokens per slot: the prompt and the generated tokens fit
 THREADS=$(nproc)
 MODEL=/tmp/prescope-$SHAPE-q8_0.gguf
 LOG=$OUT/logs
@@ -75,7 +76,7 @@ serve_and_bench() {
     (while true; do gpu_used_mib; sleep 0.2; done) > "$LOG/$name-gpu-mem.samples" 2> /dev/null &
     local sampler=$!
     timeout 240 python3 bench/serve/bench_serve.py --url "http://127.0.0.1:$port" --concurrency $CONC \
-        --gen-tokens "$GEN" --rounds "$ROUNDS" --label "$label" --out "$OUT/$name.json" > "$LOG/$name-client.log" 2>&1
+        --gen-tokens "$GEN" --rounds "$ROUNDS" --prompt-words "$PROMPT_WORDS" --label "$label" --out "$OUT/$name.json" > "$LOG/$name-client.log" 2>&1
     say "$name client: exit $?"
     head -7 "$LOG/$name-client.log" | tee -a "$OUT/summary.txt"
     python3 -c "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())" \
