@@ -42,5 +42,6 @@ void register_eval_predictor(CLI::App &app);
 void register_calibrate(CLI::App &app);
 void register_simulate(CLI::App &app);
 void register_schedule_check(CLI::App &app);
+void register_serve(CLI::App &app);
 
 } // namespace prescope::cli

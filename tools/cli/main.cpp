@@ -1,5 +1,5 @@
 // prescope: command line entry point. Subcommands: generate, perplexity, inspect, bench, trace,
-// train-predictor, eval-predictor, calibrate, simulate, schedule-check; --version.
+// train-predictor, eval-predictor, calibrate, simulate, schedule-check, serve; --version.
 // Bad input ends with one "error: ..." line on stderr and exit code 1.
 #include "cli.h"
 
@@ -48,6 +48,15 @@ std::string version_text() {
                        *b.cuda ? b.cuda : "without CUDA", cpu, waiting);
 }
 
+// llama.cpp's multi-letter short flags, which CLI11 cannot declare (a single dash takes one letter): the long
+// name they stand for.
+void expand_short_flags(int argc, char **argv) {
+    static char parallel[] = "--parallel";
+    for (int i = 1; i < argc; ++i) {
+        if (std::strcmp(argv[i], "-np") == 0) argv[i] = parallel;
+    }
+}
+
 } // namespace
 
 int main(int argc, char **argv) {
@@ -66,6 +75,7 @@ int main(int argc, char **argv) {
     prescope::cli::register_calibrate(app);
     prescope::cli::register_simulate(app);
     prescope::cli::register_schedule_check(app);
+    prescope::cli::register_serve(app);
     // CLI11 would answer "A subcommand is required" to `prescope foo`: name the word instead.
     if (argc > 1 && argv[1][0] != '-') {
         std::string names;
@@ -79,6 +89,7 @@ int main(int argc, char **argv) {
             return 1;
         }
     }
+    expand_short_flags(argc, argv);
     try {
         app.parse(argc, argv);
     } catch (const CLI::ParseError &e) {

@@ -1,0 +1,119 @@
+#!/usr/bin/env python3
+"""Serving benchmark: generated tokens/s, time to first token and inter-token latency at several concurrencies,
+for `prescope serve` or llama.cpp's `llama-server` with the same client (the official `openai` package, asyncio).
+
+At each concurrency C, C clients each send --rounds streamed completions one after another: the same prompt of
+about --prompt-words words (a fixed text repeated; the token count comes from the server's usage), max_tokens
+--gen-tokens with ignore_eos (both servers accept it), temperature 0. Generated tokens are the servers' own
+counts (stream_options include_usage); tokens/s is all requests' generated tokens over the level's wall time.
+TTFT is request start to first text chunk; inter-token latency is the gap between text chunks (one token each on
+both servers, except where a split UTF-8 character is held back). Prints a table and writes JSON (--out).
+
+    python3 bench/serve/bench_serve.py --url http://127.0.0.1:8080 --concurrency 1 8 32 64 --label "..." --out F
+
+Loopback only (the URL's host must be 127.0.0.1 or localhost). Exit code 1 when a request failed.
+"""
+import argparse
+import asyncio
+import json
+import sys
+import time
+import urllib.parse
+from pathlib import Path
+
+import openai
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from load_test import get_json, percentiles  # noqa: E402  (same folder)
+
+TEXT = ("The Debian project is an association of individuals who have made common cause to create a free "
+        "operating system. ")
+
+
+async def one_request(client, model, prompt, n_gen, out):
+    t0 = time.monotonic()
+    first = last = None
+    itl = []
+    usage = None
+    s = await client.completions.create(model=model, prompt=prompt, max_tokens=n_gen, temperature=0.0, stream=True,
+                                        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    async for ch in s:
+        if ch.usage is not None:
+            usage = ch.usage
+        if ch.choices and ch.choices[0].text:
+            now = time.monotonic()
+            if first is None:
+                first = now
+            else:
+                itl.append(now - last)
+            last = now
+    if usage is None or first is None:
+        raise RuntimeError("the stream ended without text or without usage")
+    out["ttft"].append(first - t0)
+    out["itl"].extend(itl)
+    out["e2e"].append(time.monotonic() - t0)
+    out["completion_tokens"] += usage.completion_tokens
+    out["prompt_tokens"] += usage.prompt_tokens
+
+
+async def run_level(url, model, concurrency, rounds, prompt, n_gen, timeout):
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=timeout)
+    out = {"ttft": [], "itl": [], "e2e": [], "completion_tokens": 0, "prompt_tokens": 0, "errors": []}
+
+    async def worker():
+        for _ in range(rounds):
+            try:
+                await one_request(client, model, prompt, n_gen, out)
+            except Exception as e:  # noqa: BLE001 -- every failure is reported
+                out["errors"].append(f"{type(e).__name__}: {e}")
+
+    t0 = time.monotonic()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    wall = time.monotonic() - t0
+    await client.close()
+    n = len(out["e2e"])
+    return {"concurrency": concurrency, "requests": n, "errors": out["errors"][:10], "n_errors": len(out["errors"]),
+            "wall_s": wall, "prompt_tokens_per_request": out["prompt_tokens"] / n if n else 0,
+            "generated_tokens": out["completion_tokens"], "gen_tok_s": out["completion_tokens"] / wall,
+            "ttft_s": percentiles(out["ttft"]), "itl_s": percentiles(out["itl"]), "e2e_s": percentiles(out["e2e"])}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", default="http://127.0.0.1:8080")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("--rounds", type=int, default=2, help="requests per client at each concurrency")
+    ap.add_argument("--prompt-words", type=int, default=64)
+    ap.add_argument("--gen-tokens", type=int, default=64)
+    ap.add_argument("--request-timeout", type=float, default=600)
+    ap.add_argument("--label", default="", help="free text stored in the JSON (server, flags, routing)")
+    ap.add_argument("--out", help="JSON result file")
+    a = ap.parse_args()
+    if urllib.parse.urlparse(a.url).hostname not in ("127.0.0.1", "localhost"):
+        sys.exit("bench_serve.py: loopback URLs only")
+    model = get_json(a.url, "/v1/models", "none")["data"][0]["id"]
+    words = TEXT.split()
+    prompt = " ".join(words[i % len(words)] for i in range(a.prompt_words))
+    # One request first, outside the timings: the servers' first step pays one-off costs (cuBLAS handles, caches).
+    asyncio.run(run_level(a.url, model, 1, 1, prompt, 4, a.request_timeout))
+    levels = [asyncio.run(run_level(a.url, model, c, a.rounds, prompt, a.gen_tokens, a.request_timeout))
+              for c in a.concurrency]
+    print(f"{a.label}\n{'conc':>5} {'reqs':>5} {'gen tok/s':>10} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} "
+          f"{'ITL p99':>8} {'errors':>6}")
+    def ms(d, k):
+        return d.get(k, float("nan")) * 1e3
+
+    for r in levels:
+        print(f"{r['concurrency']:>5} {r['requests']:>5} {r['gen_tok_s']:>10.1f} {ms(r['ttft_s'], 'p50'):>7.0f}ms "
+              f"{ms(r['ttft_s'], 'p99'):>7.0f}ms {ms(r['itl_s'], 'p50'):>6.1f}ms {ms(r['itl_s'], 'p99'):>6.1f}ms "
+              f"{r['n_errors']:>6}")
+    result = {"label": a.label, "url": a.url, "model": model, "prompt_words": a.prompt_words,
+              "gen_tokens": a.gen_tokens, "rounds": a.rounds, "levels": levels}
+    print(json.dumps(result))
+    if a.out:
+        Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
+    return 1 if any(r["n_errors"] for r in levels) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
