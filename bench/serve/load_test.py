@@ -127,7 +127,8 @@ async def one_request(client, model, rng, drop, stats, args):
             stats.errors.append(f"HTTP {e.status_code}: {e.message}")
             return
         except Exception as e:  # noqa: BLE001 -- every other failure is an error to report
-            stats.errors.append(f"{type(e).__name__}: {e}")
+            cause = f" ({type(e.__cause__).__name__}: {e.__cause__})" if e.__cause__ else ""
+            stats.errors.append(f"{type(e).__name__}: {e}{cause}")
             return
 
 

@@ -11,7 +11,6 @@
 
 #include <nlohmann/json.hpp>
 
-#include <array>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
