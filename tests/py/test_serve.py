@@ -263,7 +263,8 @@ def test_bad_chat_requests(server, messages, param):
     assert error_of(e)[:2] == (400, param)
 
 
-@pytest.mark.parametrize("body", [b"{not json", b"[1, 2]", b"", b'{"prompt": "\xff\xfe"}'])
+@pytest.mark.parametrize("body", [b"{not json", b"[1, 2]", b"", b'{"prompt": "\xff\xfe"}',
+                                  b'{"prompt": "Hello", "temperature": 1e999}'])
 def test_malformed_bodies(server, body):
     status, err = server.raw("POST", "/v1/completions", body, {"Content-Type": "application/json"})
     assert status == 400
@@ -405,3 +406,8 @@ def test_api_key():
         assert c.usage.completion_tokens <= 2
         assert s.raw("GET", "/health")[0] == 200
         assert s.raw("GET", "/metrics")[0] == 401
+        # The scheme is case-insensitive (RFC 7235); the key is not.
+        auth = {"Content-Type": "application/json"}
+        body = b'{"prompt": "Hello", "max_tokens": 2}'
+        assert s.raw("POST", "/v1/completions", body, {**auth, "Authorization": "bearer sesame"})[0] == 200
+        assert s.raw("POST", "/v1/completions", body, {**auth, "Authorization": "Bearer SESAME"})[0] == 401

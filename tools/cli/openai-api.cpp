@@ -227,7 +227,7 @@ ApiRequest parse_request(Endpoint endpoint, std::string_view text, const ApiCont
     json body;
     try {
         body = json::parse(text);
-    } catch (const json::parse_error &e) {
+    } catch (const json::exception &e) {  // parse_error, and out_of_range for a number like 1e999
         bad_request("", "invalid_json", fmt::format("The body is not valid JSON: {}", e.what()));
     }
     if (!body.is_object()) bad_request("", "invalid_json", fmt::format("The body must be a JSON object, got {}.", a_type(body)));

@@ -20,17 +20,29 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cctype>
 #include <cerrno>
 #include <cstring>
 #include <chrono>
 #include <ctime>
 #include <filesystem>
 #include <map>
+#include <string_view>
 #include <thread>
 
 namespace prescope::cli {
 
 namespace {
+
+/// Whether an Authorization header value is "Bearer KEY" (the scheme case-insensitive, RFC 7235 section 2.1).
+bool authorized(const std::string &header, const std::string &key) {
+    constexpr std::string_view scheme = "bearer ";
+    if (header.size() != scheme.size() + key.size()) return false;
+    for (size_t i = 0; i < scheme.size(); ++i) {
+        if (std::tolower(static_cast<unsigned char>(header[i])) != scheme[i]) return false;
+    }
+    return header.compare(scheme.size(), std::string::npos, key) == 0;
+}
 
 using nlohmann::json;
 
@@ -340,7 +352,7 @@ void Server::route() {
     // keep-alive connection.
     const auto guarded = [this](httplib::Server::Handler h) {
         return [this, h](const httplib::Request &req, httplib::Response &res) {
-            if (!args_.api_key.empty() && req.get_header_value("Authorization") != "Bearer " + args_.api_key) {
+            if (!args_.api_key.empty() && !authorized(req.get_header_value("Authorization"), args_.api_key)) {
                 ++unauthorized_;
                 send_error(res, ApiError(401, "Invalid API key (send the header 'Authorization: Bearer KEY').",
                                          "invalid_request_error", "", "invalid_api_key"));
@@ -399,8 +411,9 @@ void Server::run() {
         int yes = 1;
         setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes);
     });
-    // llama-server's default -to: a slow prefill or a long answer must not hit a socket timeout.
-    http_.set_read_timeout(600);
+    // Reading a request (headers and body) may take 30 s: a client that sends it slowly holds an HTTP thread only
+    // that long (decision 0118). Generation itself is not under this timeout; the write timeout below covers it.
+    http_.set_read_timeout(30);
     // httplib closes a keep-alive connection after 5 requests by default, and a client that reused it saw a reset
     // (the load test against the ASan build: about 12 of 300 requests failed so; none with this). Idle
     // connections still close after httplib's 5 s.
