@@ -256,6 +256,10 @@ void GpuContext::init() {
     routing_.ids.reserve(size_t(pairs));
     routing_.weights.reserve(size_t(pairs));
     logits_.reserve(size_t(hp.n_vocab));
+    // eval/eval_batch fill these every pass: sized once, as Context does.
+    scratch_.tokens.reserve(size_t(nb));
+    scratch_.runs.reserve(size_t(std::min(nb, params_.n_seq)) + 1);
+    scratch_.out_rows.reserve(size_t(nb));
 
     // Offloading: host tier, hot-expert table, copy engine, loader, predictor, hybrid block.
     numa_text_ = apply_numa(config.numa, pci_numa_node(backend_->info().pci_bus_id));

@@ -298,31 +298,30 @@ std::string Server::metrics_text() {
     const auto metric = [&](const char *name, const char *type, const char *help) {
         out += fmt::format("# HELP {} {}\n# TYPE {} {}\n", name, help, name, type);
     };
+    // A metric of one unlabelled sample.
+    const auto scalar = [&](const char *name, const char *type, const char *help, auto value) {
+        metric(name, type, help);
+        out += fmt::format("{} {}\n", name, value);
+    };
     metric("prescope_requests_total", "counter", "Requests by how they ended.");
     for (const auto &[result, n] : std::initializer_list<std::pair<const char *, uint64_t>>{
              {"finished", m.requests_finished}, {"cancelled", m.requests_cancelled}, {"failed", m.requests_failed},
              {"rejected", m.requests_rejected}, {"invalid", invalid_.load()}, {"unauthorized", unauthorized_.load()}}) {
         out += fmt::format("prescope_requests_total{{result=\"{}\"}} {}\n", result, n);
     }
-    metric("prescope_prompt_tokens_total", "counter", "Prompt tokens evaluated.");
-    out += fmt::format("prescope_prompt_tokens_total {}\n", m.prompt_tokens);
-    metric("prescope_generated_tokens_total", "counter", "Tokens generated (end-of-generation tokens not counted).");
-    out += fmt::format("prescope_generated_tokens_total {}\n", m.generated_tokens);
-    metric("prescope_engine_seconds_total", "counter", "Wall time spent in the engine's batched forward passes.");
-    out += fmt::format("prescope_engine_seconds_total {}\n", m.engine_seconds);
-    metric("prescope_steps_total", "counter", "Batched forward passes (scheduler steps).");
-    out += fmt::format("prescope_steps_total {}\n", m.steps);
-    metric("prescope_prompt_tokens_per_second", "gauge", "Prompt tokens per second of engine time, since start.");
-    out += fmt::format("prescope_prompt_tokens_per_second {}\n", m.engine_seconds > 0 ? m.prompt_tokens / m.engine_seconds : 0.0);
-    metric("prescope_generated_tokens_per_second", "gauge", "Generated tokens per second of engine time, since start.");
-    out += fmt::format("prescope_generated_tokens_per_second {}\n",
-                       m.engine_seconds > 0 ? m.generated_tokens / m.engine_seconds : 0.0);
-    metric("prescope_queue_length", "gauge", "Requests waiting for a slot.");
-    out += fmt::format("prescope_queue_length {}\n", m.queue_length);
-    metric("prescope_slots_busy", "gauge", "Slots holding a request.");
-    out += fmt::format("prescope_slots_busy {}\n", m.slots_busy);
-    metric("prescope_slots", "gauge", "Slots (sequences decoded together, -np).");
-    out += fmt::format("prescope_slots {}\n", m.slots_total);
+    scalar("prescope_prompt_tokens_total", "counter", "Prompt tokens evaluated.", m.prompt_tokens);
+    scalar("prescope_generated_tokens_total", "counter", "Tokens generated (end-of-generation tokens not counted).",
+           m.generated_tokens);
+    scalar("prescope_engine_seconds_total", "counter", "Wall time spent in the engine's batched forward passes.",
+           m.engine_seconds);
+    scalar("prescope_steps_total", "counter", "Batched forward passes (scheduler steps).", m.steps);
+    scalar("prescope_prompt_tokens_per_second", "gauge", "Prompt tokens per second of engine time, since start.",
+           m.engine_seconds > 0 ? m.prompt_tokens / m.engine_seconds : 0.0);
+    scalar("prescope_generated_tokens_per_second", "gauge", "Generated tokens per second of engine time, since start.",
+           m.engine_seconds > 0 ? m.generated_tokens / m.engine_seconds : 0.0);
+    scalar("prescope_queue_length", "gauge", "Requests waiting for a slot.", m.queue_length);
+    scalar("prescope_slots_busy", "gauge", "Slots holding a request.", m.slots_busy);
+    scalar("prescope_slots", "gauge", "Slots (sequences decoded together, -np).", m.slots_total);
     const auto histogram = [&](const char *name, const char *help, const LatencyHistogram &h) {
         metric(name, "histogram", help);
         for (size_t i = 0; i < h.bounds.size(); ++i) {

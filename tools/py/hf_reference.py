@@ -73,13 +73,20 @@ def gguf_to_hf_state(gguf_path: Path, hf_dir: Path) -> dict[str, np.ndarray]:
         if spec.permute_qk:
             q, k = unpermute_from_norm_rope(q, hp.n_head), unpermute_from_norm_rope(k, hp.n_head_kv)
         out[p + "self_attn.q_proj.weight"], out[p + "self_attn.k_proj.weight"] = q, k
-        for gk, hf_name in zip(("gate", "up", "down"), spec.expert_names):
-            stacked = g.pop(f"{b}ffn_{gk}_exps.weight")
-            for e in range(hp.n_expert):
-                out[f"{p}{spec.moe_prefix}.experts.{e}.{hf_name}.weight"] = np.ascontiguousarray(stacked[e])
+        _unstack_experts(g, out, b, f"{p}{spec.moe_prefix}.experts", spec.expert_names, hp.n_expert)
     if g:
         raise ValueError(f"{gguf_path}: tensors with no HF counterpart: {sorted(g)}")
     return out
+
+
+def _unstack_experts(g: dict[str, np.ndarray], out: dict[str, np.ndarray], blk: str, hf_prefix: str,
+                     hf_names, n_expert: int) -> None:
+    """Moves blk's stacked ffn_{gate,up,down}_exps [n_expert, rows, cols] out of g into out as one HF matrix per
+    expert: {hf_prefix}.{e}.{name}.weight, names in gate, up, down order."""
+    for gk, hf_name in zip(("gate", "up", "down"), hf_names):
+        stacked = g.pop(f"{blk}ffn_{gk}_exps.weight")
+        for e in range(n_expert):
+            out[f"{hf_prefix}.{e}.{hf_name}.weight"] = np.ascontiguousarray(stacked[e])
 
 
 def _deepseek_state(g: dict[str, np.ndarray], hp: conv.HParams, gguf_path: Path) -> dict[str, np.ndarray]:
@@ -109,10 +116,7 @@ def _deepseek_state(g: dict[str, np.ndarray], hp: conv.HParams, gguf_path: Path)
         kv_b = np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1)
         out[p + "self_attn.kv_b_proj.weight"] = np.ascontiguousarray(kv_b.reshape(-1, m.kv_lora_rank))
         if i >= m.n_dense:
-            for gk in ("gate", "up", "down"):
-                stacked = g.pop(f"{b}ffn_{gk}_exps.weight")
-                for e in range(hp.n_expert):
-                    out[f"{p}mlp.experts.{e}.{gk}_proj.weight"] = np.ascontiguousarray(stacked[e])
+            _unstack_experts(g, out, b, f"{p}mlp.experts", ("gate_proj", "up_proj", "down_proj"), hp.n_expert)
     if g:
         raise ValueError(f"{gguf_path}: tensors with no HF counterpart: {sorted(g)}")
     return out
