@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Serving benchmark: generated tokens/s, time to first token and inter-token latency at several concurrencies,
-for `prescope serve` or llama.cpp's `llama-server` with the same client (the official `openai` package, asyncio).
+for `prescope serve` or llama.cpp's `llama-server` with the same client (httpx, asyncio, server-sent events as the
+OpenAI API streams them; httpx is on the GPU machine, where the `openai` package is not).
 
 At each concurrency C, C clients each send --rounds streamed completions one after another: the same prompt of
 about --prompt-words words (a fixed text repeated; the token count comes from the server's usage), max_tokens
@@ -21,43 +22,56 @@ import time
 import urllib.parse
 from pathlib import Path
 
-import openai
+try:
+    import httpx
+except ImportError:  # the openai package of requirements.txt brings the same client under this name
+    import httpx2 as httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from load_test import get_json, percentiles  # noqa: E402  (same folder)
+from serve_stats import get_json, percentiles  # noqa: E402  (same folder)
 
 TEXT = ("The Debian project is an association of individuals who have made common cause to create a free "
         "operating system. ")
 
 
 async def one_request(client, model, prompt, n_gen, out):
+    """One streamed completion; appends its TTFT, inter-token gaps and end-to-end time (s) to out and adds the
+    server's token counts (the usage chunk). Raises on an HTTP error, a malformed chunk or a stream without
+    text or usage."""
+    body = {"model": model, "prompt": prompt, "max_tokens": n_gen, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": True}
     t0 = time.monotonic()
     first = last = None
     itl = []
     usage = None
-    s = await client.completions.create(model=model, prompt=prompt, max_tokens=n_gen, temperature=0.0, stream=True,
-                                        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
-    async for ch in s:
-        if ch.usage is not None:
-            usage = ch.usage
-        if ch.choices and ch.choices[0].text:
-            now = time.monotonic()
-            if first is None:
-                first = now
-            else:
-                itl.append(now - last)
-            last = now
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ch = json.loads(line[6:])
+            if ch.get("usage"):
+                usage = ch["usage"]
+            if ch.get("choices") and ch["choices"][0].get("text"):
+                now = time.monotonic()
+                if first is None:
+                    first = now
+                else:
+                    itl.append(now - last)
+                last = now
     if usage is None or first is None:
         raise RuntimeError("the stream ended without text or without usage")
     out["ttft"].append(first - t0)
     out["itl"].extend(itl)
     out["e2e"].append(time.monotonic() - t0)
-    out["completion_tokens"] += usage.completion_tokens
-    out["prompt_tokens"] += usage.prompt_tokens
+    out["completion_tokens"] += usage["completion_tokens"]
+    out["prompt_tokens"] += usage["prompt_tokens"]
 
 
 async def run_level(url, model, concurrency, rounds, prompt, n_gen, timeout):
-    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=timeout)
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    client = httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits, headers={"Authorization": "Bearer none"})
     out = {"ttft": [], "itl": [], "e2e": [], "completion_tokens": 0, "prompt_tokens": 0, "errors": []}
 
     async def worker():
@@ -70,7 +84,7 @@ async def run_level(url, model, concurrency, rounds, prompt, n_gen, timeout):
     t0 = time.monotonic()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     wall = time.monotonic() - t0
-    await client.close()
+    await client.aclose()
     n = len(out["e2e"])
     return {"concurrency": concurrency, "requests": n, "errors": out["errors"][:10], "n_errors": len(out["errors"]),
             "wall_s": wall, "prompt_tokens_per_request": out["prompt_tokens"] / n if n else 0,

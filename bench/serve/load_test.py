@@ -16,13 +16,15 @@ import argparse
 import asyncio
 import json
 import random
-import statistics
 import sys
 import time
 import urllib.parse
-import urllib.request
+from pathlib import Path
 
 import openai
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serve_stats import get_json, percentiles  # noqa: E402  (same folder)
 
 PROMPTS = [
     "The Debian project is",
@@ -48,17 +50,6 @@ def rss_mib(pid):
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024.0
     raise RuntimeError(f"no VmRSS for pid {pid}")
-
-
-def percentiles(xs):
-    if not xs:
-        return {"n": 0}
-    xs = sorted(xs)
-
-    def q(p):
-        return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
-
-    return {"n": len(xs), "p50": q(50), "p90": q(90), "p99": q(99), "max": xs[-1], "mean": statistics.fmean(xs)}
 
 
 class Stats:
@@ -151,12 +142,6 @@ async def run_phase(url, model, n_requests, concurrency, seed, stats, args, dead
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     await client.close()
     return queue.qsize()
-
-
-def get_json(url, path, api_key):
-    req = urllib.request.Request(url + path, headers={"Authorization": f"Bearer {api_key}"})
-    with urllib.request.urlopen(req, timeout=30) as r:
-        return json.loads(r.read())
 
 
 def main():
