@@ -12,8 +12,10 @@
 # 12 24 36 GiB, trace traces/topo-mixtral-test.pstrace (the balanced traces of issue 9, ROUTING_KIND=balanced).
 # The device's 64 GB disk holds one benchmark model at a time: each shape writes, uses and deletes its own.
 #
-# llama-bench is a comparison peer built outside this repository; the script waits up to LLAMA_WAIT seconds
-# for the file to appear and skips the peer if it does not. Carry .carry/debs (missing -dev packages) and .carry/whl
+# llama-bench is a comparison peer built outside this repository: LLAMA_BENCH, else common.sh's setup_peer (the
+# carried binaries of .carry/peer-bin, or .carry/peer/build.sh in the background); the script waits up to
+# LLAMA_WAIT seconds for the file to appear and skips the peer if it does not. A budget that holds every expert
+# (32 GiB for qwen3-30b-a3b) is matched with --n-cpu-moe 0: llama.cpp with everything on the GPU. Carry .carry/debs (missing -dev packages) and .carry/whl
 # (the gguf wheel for the model writer; WHL_DIR overrides).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -35,6 +37,7 @@ say() { echo "[bench_offload] $*" | tee -a "$OUT/summary.txt"; }
 T0=$SECONDS
 source scripts/device/common.sh
 setup_carried_debs .carry/debs
+[ -n "${LLAMA_BENCH:-}" ] || { setup_peer; LLAMA_BENCH=$PEER_BIN/llama-bench; }
 build_prescope build-gpu prescope-cli || exit 1
 say "built prescope ($((SECONDS - T0)) s)"
 

@@ -5,12 +5,12 @@
 # the same client (bench/serve/bench_serve.py) at concurrency CONC. Also runs test-gpu (the GPU runtime's tests,
 # several sequences among them) first. Every log goes into $OUT/serve-logs.tar.gz; read $OUT/summary.txt first.
 #
-#   [BUDGET=12] [NP=64] [CONC="1 8 32 64"] [GEN=32] [ROUNDS=1] [PROMPT_WORDS=16] [PEER_DEADLINE=s] OUT=dir bash scripts/device/bench_serve.sh
+#   [RUN_TESTS=1] [BUDGET=12] [NP=64] [CONC="1 8 32 64"] [GEN=32] [ROUNDS=1] [PROMPT_WORDS=16] [PEER_DEADLINE=s] OUT=dir bash scripts/device/bench_serve.sh
 #
-# llama-server is a comparison peer built outside this repository: the script runs .carry/peer/build.sh (not in
-# the repository) in the background while PreScope builds, and skips the peer when it is not built by
-# PEER_DEADLINE seconds. Carry .carry/debs (missing -dev packages), .carry/whl (gguf, openai and its needs: the
-# machine lacks them) and .carry/peer.
+# llama-server is a comparison peer built outside this repository (common.sh's setup_peer: carried binaries in
+# .carry/peer-bin, or .carry/peer/build.sh started in the background); the peer is skipped when it is not there by
+# PEER_DEADLINE seconds. Carry .carry/debs (missing -dev packages), .carry/whl or WHL_DIR (the gguf wheel for the model
+# writer; the client needs only httpx, which the machine has) and .carry/peer-bin or .carry/peer.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/serve-out}
@@ -35,20 +35,22 @@ T0=$SECONDS
 source scripts/device/common.sh
 setup_carried_debs .carry/debs
 
-if [ -f .carry/peer/build.sh ]; then
-    (PEER_JOBS=$((THREADS - 4)) bash .carry/peer/build.sh > "$LOG/peer-build.log" 2>&1) &
-fi
-LOG=$LOG build_prescope build-gpu prescope-cli test-gpu || exit 1
-say "built prescope and test-gpu ($((SECONDS - T0)) s)"
+setup_peer
+RUN_TESTS=${RUN_TESTS:-1}  # 0: skip test-gpu (a working tree without models/demo and tests/data)
+LOG=$LOG build_prescope build-gpu prescope-cli $([ "$RUN_TESTS" = 1 ] && echo test-gpu) || exit 1
+say "built prescope ($((SECONDS - T0)) s)"
 
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .carry/whl/*.whl &&
+WHL_DIR=${WHL_DIR:-.carry/whl}
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$WHL_DIR"/*.whl &&
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 [ -f "$MODEL" ] || timeout 300 python3 tools/py/make_bench_model.py --out "$MODEL" --shape "$SHAPE" > "$LOG/model.log" 2>&1 &
 MODEL_PID=$!
 
-run_bin timeout 120 build-gpu/bin/test-gpu > "$LOG/test-gpu.log" 2>&1
-say "test-gpu: exit $?, $(grep -E '^\[  PASSED  \]|^\[  FAILED  \]' "$LOG/test-gpu.log" | tr '\n' ' ')"
-grep -E '^\[  FAILED  \]|steps above the margin' "$LOG/test-gpu.log" | head -12 | tee -a "$OUT/summary.txt"
+if [ "$RUN_TESTS" = 1 ]; then
+    run_bin timeout 120 build-gpu/bin/test-gpu > "$LOG/test-gpu.log" 2>&1
+    say "test-gpu: exit $?, $(grep -E '^\[  PASSED  \]|^\[  FAILED  \]' "$LOG/test-gpu.log" | tr '\n' ' ')"
+    grep -E '^\[  FAILED  \]|steps above the margin' "$LOG/test-gpu.log" | head -12 | tee -a "$OUT/summary.txt"
+fi
 wait $MODEL_PID
 [ -f "$MODEL" ] || { say "FAIL: could not write $MODEL (model.log)"; exit 1; }
 say "model $MODEL: $(du -h "$MODEL" | cut -f1) ($((SECONDS - T0)) s)"
@@ -96,7 +98,7 @@ serve_and_bench prescope 8181 \
     -t "$THREADS" -np "$NP" -c "$CTX" --port 8181 --gpu-expert-budget "${BUDGET}GiB" --routing-trace "$TRACE" \
     --predictor recency
 
-PEER=/tmp/peer/build/bin/llama-server
+PEER=$PEER_BIN/llama-server
 while [ ! -x "$PEER" ] && [ $((SECONDS - T0)) -lt "$PEER_DEADLINE" ] && pgrep -f peer/build.sh > /dev/null; do sleep 5; done
 if [ -x "$PEER" ] && [ -s "$OUT/prescope-gpu-peak-mib.txt" ]; then
     # llama-server's F16 KV cache of CTX tokens (48 layers x 4 KV heads x 128 x K,V x 2 bytes) is not in report.py's

@@ -52,7 +52,7 @@ build_prescope() {
     local build=$1 log=${LOG:-$OUT}
     shift
     if ! timeout 240 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DPRESCOPE_CUDA=ON \
-            -DPRESCOPE_CUDA_ARCHS=90 > "$log/configure.log" 2>&1; then
+            -DPRESCOPE_CUDA_ARCHS=90 -DPRESCOPE_BUILD_TESTS=$([ -f tests/CMakeLists.txt ] && echo ON || echo OFF) > "$log/configure.log" 2>&1; then
         say "FAIL configure (configure.log):"
         grep -E -A3 "CMake Error|No package|Could NOT find|Could not find" "$log/configure.log" | head -20 |
             tee -a "$OUT/summary.txt"
@@ -62,5 +62,21 @@ build_prescope() {
         say "FAIL build (build.log):"
         grep -E "error|FAILED" "$log/build.log" | head -20 | tee -a "$OUT/summary.txt"
         return 1
+    fi
+}
+
+# Makes the comparison peer (llama.cpp, built outside this repository, never committed) available as
+# $PEER_BIN/llama-server and $PEER_BIN/llama-bench: unpacks .carry/peer-bin/llama.cpp-bin.tar.xz (its bin/ folder,
+# built on this machine kind by .carry/peer/build.sh in an earlier call; its run path is /tmp/peer/build/bin) when
+# carried, else starts .carry/peer/build.sh in the background (about 260 s on 16 cores), else leaves it absent.
+setup_peer() {
+    PEER_BIN=/tmp/peer/build/bin
+    [ -x "$PEER_BIN/llama-server" ] && return 0
+    if [ -f .carry/peer-bin/llama.cpp-bin.tar.xz ]; then
+        mkdir -p /tmp/peer/build && tar xJf .carry/peer-bin/llama.cpp-bin.tar.xz -C /tmp/peer/build &&
+            say "peer: unpacked $(ls "$PEER_BIN" | wc -l) files of the carried llama.cpp build into $PEER_BIN"
+    elif [ -f .carry/peer/build.sh ]; then
+        (PEER_JOBS=$(($(nproc) - 4)) bash .carry/peer/build.sh > "${LOG:-$OUT}/peer-build.log" 2>&1) &
+        say "peer: building llama.cpp in the background (.carry/peer/build.sh)"
     fi
 }
