@@ -3,8 +3,10 @@
 for `prescope serve` or llama.cpp's `llama-server` with the same client (httpx, asyncio, server-sent events as the
 OpenAI API streams them; httpx is on the GPU machine, where the `openai` package is not).
 
-At each concurrency C, C clients each send --rounds streamed completions one after another: the same prompt of
-about --prompt-words words (a fixed text repeated; the token count comes from the server's usage), max_tokens
+At each concurrency C, C clients each send --rounds streamed completions one after another: a prompt of about
+--prompt-words words (a fixed text repeated; the token count comes from the server's usage) that starts with the
+request's own number, so that no request's prefix is in a server's prompt cache (llama-server reuses the KV of a
+cached prefix and would skip most of the prefill the other server does), max_tokens
 --gen-tokens with ignore_eos (both servers accept it), temperature 0. Generated tokens are the servers' own
 counts (stream_options include_usage); tokens/s is all requests' generated tokens over the level's wall time.
 TTFT is request start to first text chunk; inter-token latency is the gap between text chunks (one token each on
@@ -69,15 +71,24 @@ async def one_request(client, model, prompt, n_gen, out):
     out["prompt_tokens"] += usage["prompt_tokens"]
 
 
-async def run_level(url, model, concurrency, rounds, prompt, n_gen, timeout):
+def make_prompt(i, n_words):
+    """Request i's prompt: its number, then n_words - 1 words of TEXT starting at word i (no shared prefix)."""
+    words = TEXT.split()
+    return " ".join([f"{i}."] + [words[(i + j) % len(words)] for j in range(n_words - 1)])
+
+
+async def run_level(url, model, concurrency, rounds, first_id, n_words, n_gen, timeout):
+    """One concurrency level: `concurrency` clients, `rounds` requests each, request ids from first_id."""
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     client = httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits, headers={"Authorization": "Bearer none"})
     out = {"ttft": [], "itl": [], "e2e": [], "completion_tokens": 0, "prompt_tokens": 0, "errors": []}
 
+    ids = iter(range(first_id, first_id + concurrency * rounds))
+
     async def worker():
         for _ in range(rounds):
             try:
-                await one_request(client, model, prompt, n_gen, out)
+                await one_request(client, model, make_prompt(next(ids), n_words), n_gen, out)
             except Exception as e:  # noqa: BLE001 -- every failure is reported
                 out["errors"].append(f"{type(e).__name__}: {e}")
 
@@ -106,12 +117,13 @@ def main():
     if urllib.parse.urlparse(a.url).hostname not in ("127.0.0.1", "localhost"):
         sys.exit("bench_serve.py: loopback URLs only")
     model = get_json(a.url, "/v1/models", "none")["data"][0]["id"]
-    words = TEXT.split()
-    prompt = " ".join(words[i % len(words)] for i in range(a.prompt_words))
     # One request first, outside the timings: the servers' first step pays one-off costs (cuBLAS handles, caches).
-    asyncio.run(run_level(a.url, model, 1, 1, prompt, 4, a.request_timeout))
-    levels = [asyncio.run(run_level(a.url, model, c, a.rounds, prompt, a.gen_tokens, a.request_timeout))
-              for c in a.concurrency]
+    asyncio.run(run_level(a.url, model, 1, 1, 0, a.prompt_words, 4, a.request_timeout))
+    levels, first_id = [], 1
+    for c in a.concurrency:
+        levels.append(asyncio.run(run_level(a.url, model, c, a.rounds, first_id, a.prompt_words, a.gen_tokens,
+                                            a.request_timeout)))
+        first_id += c * a.rounds
     print(f"{a.label}\n{'conc':>5} {'reqs':>5} {'gen tok/s':>10} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} "
           f"{'ITL p99':>8} {'errors':>6}")
     def ms(d, k):

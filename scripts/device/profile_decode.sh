@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# Issue 14: where a decode token's time goes on the GPU, ours and llama.cpp's, from a CUPTI timeline
+# (bench/profile/cupti-trace.cpp; Nsight Systems cannot make reports on the GPU machine). Builds prescope, the
+# tracer and test-backend-ops; writes the Qwen3-30B-A3B-shaped Q8_0 model; times the CUDA ops (test-backend-ops
+# perf); runs `prescope bench -p 16 -n 64` at each budget of BUDGETS (default 32 GiB: every expert resident) with
+# routing replayed from the balanced trace, once plain and once traced; then, when the peer is there, llama-bench
+# -ngl 99 -ncmoe 0 -p 0 -n 64 traced the same way. bench/profile/timeline.py summarises each trace.
+#
+#   OUT=dir [BUDGETS="32"] [TRACE=traces/topo-b-test.pstrace] [PEER_WAIT=s] bash scripts/device/profile_decode.sh
+#
+# The peer: common.sh's setup_peer (carried binaries, else .carry/peer/build.sh in the background with
+# PEER_PACK=$OUT/peer-bin, so the binaries come back to be carried next time). Carry .carry/debs, .carry/whl-gguf
+# (WHL_DIR) and .carry/peer or .carry/peer-bin.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-$PWD/profile-out}
+BUDGETS=${BUDGETS:-32}
+TRACE=${TRACE:-traces/topo-b-test.pstrace}
+PEER_WAIT=${PEER_WAIT:-420}
+MODEL=/tmp/prescope-qwen3-30b-a3b-q8_0.gguf
+THREADS=$(nproc)
+mkdir -p "$OUT"
+: > "$OUT/summary.txt"
+say() { echo "[profile_decode] $*" | tee -a "$OUT/summary.txt"; }
+T0=$SECONDS
+source scripts/device/common.sh
+setup_carried_debs .carry/debs
+
+WHL_DIR=${WHL_DIR:-.carry/whl}
+if compgen -G "$WHL_DIR/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$WHL_DIR"/*.whl &&
+        export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+[ -f "$MODEL" ] || (timeout 300 python3 tools/py/make_bench_model.py --out "$MODEL" --shape qwen3-30b-a3b \
+    > "$OUT/model.log" 2>&1) &
+MODEL_PID=$!
+build_prescope build-gpu prescope-cli test-backend-ops prescope-cupti-trace || exit 1
+say "built ($((SECONDS - T0)) s)"
+export PEER_PACK=$OUT/peer-bin
+setup_peer
+
+CUPTI_DIR=$(dirname "$(find / -name 'libcupti.so*' -not -path '/proc/*' 2> /dev/null | head -1)")
+TRACER=$PWD/build-gpu/bin/libprescope-cupti-trace.so
+traced() {  # traced NAME cmd...: runs cmd under the tracer, summarises into $OUT/NAME-timeline.{txt,json}
+    local name=$1
+    shift
+    CUDA_INJECTION64_PATH=$TRACER PRESCOPE_TRACE_OUT=/tmp/$name.csv \
+        LD_LIBRARY_PATH=$CUPTI_DIR${RUN_LIBS:+:$RUN_LIBS}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} "$@"
+    local rc=$?
+    python3 bench/profile/timeline.py /tmp/$name.csv --json "$OUT/$name-timeline.json" > "$OUT/$name-timeline.txt" 2>&1
+    say "$name: exit $rc; $(head -1 "$OUT/$name-timeline.txt")"
+    gzip -c /tmp/$name.csv > "$OUT/$name.csv.gz"
+}
+
+run_bin timeout 200 build-gpu/bin/test-backend-ops perf --json "$OUT/ops-perf.jsonl" > "$OUT/ops-perf.log" 2>&1
+say "op perf: exit $?, $(grep -c . "$OUT/ops-perf.jsonl" 2> /dev/null || echo 0) rows ($((SECONDS - T0)) s)"
+
+wait $MODEL_PID
+[ -f "$MODEL" ] || { say "FAIL: no model (model.log)"; exit 1; }
+say "model ready ($((SECONDS - T0)) s)"
+for b in $BUDGETS; do
+    args=(bench -m "$MODEL" -t "$THREADS" -p 16 -n 64 -r 1 -o json --gpu-expert-budget "${b}GiB"
+          --routing-trace "$TRACE" --predictor recency)
+    run_bin timeout 120 build-gpu/bin/prescope "${args[@]}" > "$OUT/prescope-$b.jsonl" 2> "$OUT/prescope-$b.log"
+    say "prescope ${b}GiB plain: exit $?; $(python3 bench/offload/report.py --brief "$OUT/prescope-$b.jsonl")"
+    traced "prescope-$b" timeout 180 build-gpu/bin/prescope "${args[@]}" > "$OUT/prescope-$b-traced.jsonl" \
+        2> "$OUT/prescope-$b-traced.log"
+done
+
+while [ ! -x "$PEER_BIN/llama-bench" ] && [ $((SECONDS - T0)) -lt "$PEER_WAIT" ] && pgrep -f peer/build.sh > /dev/null; do
+    sleep 5
+done
+if [ -x "$PEER_BIN/llama-bench" ]; then
+    timeout 120 "$PEER_BIN/llama-bench" -m "$MODEL" -ngl 99 -ncmoe 0 -t "$THREADS" -p 0 -n 64 -r 1 -o jsonl \
+        > "$OUT/llama-0.jsonl" 2> "$OUT/llama-0.log"
+    say "llama-bench -ncmoe 0 plain: exit $?; $(grep -o '"avg_ts": *[0-9.]*' "$OUT/llama-0.jsonl")"
+    traced llama-0 timeout 120 "$PEER_BIN/llama-bench" -m "$MODEL" -ngl 99 -ncmoe 0 -t "$THREADS" -p 0 -n 64 -r 1 \
+        -o jsonl > "$OUT/llama-0-traced.jsonl" 2> "$OUT/llama-0-traced.log"
+else
+    say "peer not ready after $((SECONDS - T0)) s (peer-build.log)"
+fi
+pgrep -f peer/build.sh > /dev/null && say "peer build still running: its binaries will not come back"
+say "done in $((SECONDS - T0)) s"
