@@ -34,12 +34,15 @@ void check(CUptiResult r, const char *what) {
     std::fprintf(stderr, "cupti-trace: %s failed: %s\n", what, msg != nullptr ? msg : "?");
 }
 
-// "void ns::kernel<T, 4>(Args)" -> "ns::kernel<T, 4>": the argument list repeats what the name says.
+// "void ns::(anonymous namespace)::kernel<T, 4>(Args)" -> "void ns::kernel<T, 4>": the argument list repeats
+// what the name says.
 std::string short_name(const char *mangled) {
     int status = 0;
     char *d = abi::__cxa_demangle(mangled, nullptr, nullptr, &status);
     std::string s = status == 0 && d != nullptr ? d : mangled;
     std::free(d);
+    static const std::string anon = "(anonymous namespace)::";
+    for (size_t at; (at = s.find(anon)) != std::string::npos;) s.erase(at, anon.size());
     int depth = 0;  // cut at the first '(' outside template brackets
     for (size_t i = 0; i < s.size(); ++i) {
         if (s[i] == '<') ++depth;

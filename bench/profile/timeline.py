@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Per-token GPU timeline of a decode run, from bench/profile/cupti-trace.cpp's CSV.
 
-Tokens are the windows between consecutive large device-to-host copies (the logits of each decoded token, at least
---token-copy-bytes; the routing copies of the layers are far smaller). The first --skip windows (prefill and the
+Tokens are the windows between consecutive device-to-host copies of the logits: copies of exactly
+--token-copy-bytes, by default the size of the trace's last device-to-host copy of at least 64 KiB (the last
+token's logits; the layers' routing copies of a decode step are far smaller, a prefill's are not). The first --skip windows (prefill and the
 first decode steps) are left out. Per window: span (one token's time), busy (the union of kernel, memcpy and memset
 intervals on the device), idle = span - busy; per kernel name: launches and device time per token. Prints a table
 and, with --json, writes the numbers.
@@ -43,9 +44,14 @@ def union_ns(intervals):
 
 def summarise(rows, token_copy_bytes, skip):
     """Mean per-token span, busy, idle (us), launches and the per-kernel table over the decode windows."""
-    marks = [r[2] for r in rows if r[0] == "C" and r[4] == 2 and r[3] >= token_copy_bytes]
+    if token_copy_bytes is None:
+        big = [r[3] for r in rows if r[0] == "C" and r[4] == 2 and r[3] >= 64 << 10]
+        if not big:
+            sys.exit("timeline.py: no device-to-host copy of 64 KiB or more (logits); pass --token-copy-bytes")
+        token_copy_bytes = big[-1]
+    marks = [r[2] for r in rows if r[0] == "C" and r[4] == 2 and r[3] == token_copy_bytes]
     if len(marks) < skip + 2:
-        sys.exit(f"timeline.py: {len(marks)} token copies of >= {token_copy_bytes} bytes; need more than {skip + 1}")
+        sys.exit(f"timeline.py: {len(marks)} token copies of {token_copy_bytes} bytes; need more than {skip + 1}")
     windows = list(zip(marks[skip:-1], marks[skip + 1:]))
     per_token = []
     by_name = defaultdict(lambda: [0, 0])  # name -> [launches, ns] over all windows
@@ -78,7 +84,7 @@ def summarise(rows, token_copy_bytes, skip):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("trace")
-    ap.add_argument("--token-copy-bytes", type=int, default=64 << 10)
+    ap.add_argument("--token-copy-bytes", type=int, help="bytes of one token's logits copy (default: see above)")
     ap.add_argument("--skip", type=int, default=4)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--json")

@@ -5,15 +5,21 @@
 # trace and the same peer build. $OUT gets summary.txt (both summaries) and offload.tar.gz + serve.tar.gz (every
 # file of each run; the device returns at most 8 files).
 #
-#   [BUDGETS="32 12 4 24"] OUT=dir bash scripts/device/bench_all.sh
+#   [BUDGETS="32 12 4 24"] [PROFILE=1] OUT=dir bash scripts/device/bench_all.sh
+#
+# PROFILE=1 first runs profile_decode.sh at 32 GiB (op tests and timings, CUPTI timelines of ours and llama.cpp's
+# decode) into profile.tar.gz.
 #
 # Carry .carry/debs, WHL_DIR (a folder holding the gguf wheel; default .carry/whl) and .carry/peer-bin (llama.cpp binaries, common.sh's setup_peer); the
 # working tree must leave room for them (scripts/device/slim-tree.sh).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:?OUT=dir}
-mkdir -p "$OUT/offload" "$OUT/serve"
+PARTS=(offload serve)
+[ "${PROFILE:-0}" = 1 ] && PARTS=(profile "${PARTS[@]}")
+for d in "${PARTS[@]}"; do mkdir -p "$OUT/$d"; done
+[ "${PROFILE:-0}" = 1 ] && BUDGETS=32 OUT=$OUT/profile bash scripts/device/profile_decode.sh
 BUDGETS=${BUDGETS:-32 12 4 24} OUT=$OUT/offload bash scripts/device/bench_offload.sh
 RUN_TESTS=0 OUT=$OUT/serve bash scripts/device/bench_serve.sh
-cat "$OUT/offload/summary.txt" "$OUT/serve/summary.txt" > "$OUT/summary.txt"
-for d in offload serve; do tar czf "$OUT/$d.tar.gz" -C "$OUT" "$d" && rm -rf "${OUT:?}/$d"; done
+for d in "${PARTS[@]}"; do cat "$OUT/$d/summary.txt"; done > "$OUT/summary.txt"
+for d in "${PARTS[@]}"; do tar czf "$OUT/$d.tar.gz" -C "$OUT" "$d" && rm -rf "${OUT:?}/$d"; done

@@ -76,7 +76,7 @@ setup_peer() {
         mkdir -p /tmp/peer/build && tar xJf .carry/peer-bin/llama.cpp-bin.tar.xz -C /tmp/peer/build &&
             say "peer: unpacked $(ls "$PEER_BIN" | wc -l) files of the carried llama.cpp build into $PEER_BIN"
     elif [ -f .carry/peer/build.sh ]; then
-        (PEER_JOBS=$(($(nproc) - 4)) bash .carry/peer/build.sh > "${LOG:-$OUT}/peer-build.log" 2>&1) &
+        (PEER_JOBS=${PEER_JOBS:-$(($(nproc) - 4))} bash .carry/peer/build.sh > "${LOG:-$OUT}/peer-build.log" 2>&1) &
         say "peer: building llama.cpp in the background (.carry/peer/build.sh)"
     fi
 }

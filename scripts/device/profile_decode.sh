@@ -6,7 +6,10 @@
 # routing replayed from the balanced trace, once plain and once traced; then, when the peer is there, llama-bench
 # -ngl 99 -ncmoe 0 -p 0 -n 64 traced the same way. bench/profile/timeline.py summarises each trace.
 #
-#   OUT=dir [BUDGETS="32"] [TRACE=traces/topo-b-test.pstrace] [PEER_WAIT=s] bash scripts/device/profile_decode.sh
+#   OUT=dir [BUDGETS="32"] [TRACE=traces/topo-b-test.pstrace] [PEER_WAIT=s] [OPS_TEST=op,op] \
+#       bash scripts/device/profile_decode.sh
+#
+# OPS_TEST: the ops whose CUDA-against-CPU tests run first (test-backend-ops test -o; default the products).
 #
 # The peer: common.sh's setup_peer (carried binaries, else .carry/peer/build.sh in the background with
 # PEER_PACK=$OUT/peer-bin, so the binaries come back to be carried next time). Carry .carry/debs, .carry/whl-gguf
@@ -17,6 +20,7 @@ OUT=${OUT:-$PWD/profile-out}
 BUDGETS=${BUDGETS:-32}
 TRACE=${TRACE:-traces/topo-b-test.pstrace}
 PEER_WAIT=${PEER_WAIT:-420}
+OPS_TEST=${OPS_TEST:-matmul,matmul_parts,expert_matmul,moe_ffn}
 MODEL=/tmp/prescope-qwen3-30b-a3b-q8_0.gguf
 THREADS=$(nproc)
 mkdir -p "$OUT"
@@ -31,13 +35,14 @@ if compgen -G "$WHL_DIR/*.whl" > /dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$WHL_DIR"/*.whl &&
         export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-[ -f "$MODEL" ] || (timeout 300 python3 tools/py/make_bench_model.py --out "$MODEL" --shape qwen3-30b-a3b \
-    > "$OUT/model.log" 2>&1) &
+export PEER_PACK=$OUT/peer-bin PEER_JOBS=$(nproc)
+setup_peer  # first: the peer's build is the longest part of a call on a fresh machine
+# Written under another name and renamed when complete: a call that ends mid-write leaves no truncated model.
+[ -f "$MODEL" ] || (timeout 300 python3 tools/py/make_bench_model.py --out "$MODEL.part" --shape qwen3-30b-a3b \
+    > "$OUT/model.log" 2>&1 && mv "$MODEL.part" "$MODEL") &
 MODEL_PID=$!
 build_prescope build-gpu prescope-cli test-backend-ops prescope-cupti-trace || exit 1
 say "built ($((SECONDS - T0)) s)"
-export PEER_PACK=$OUT/peer-bin
-setup_peer
 
 CUPTI_DIR=$(dirname "$(find / -name 'libcupti.so*' -not -path '/proc/*' 2> /dev/null | head -1)")
 TRACER=$PWD/build-gpu/bin/libprescope-cupti-trace.so
@@ -52,6 +57,9 @@ traced() {  # traced NAME cmd...: runs cmd under the tracer, summarises into $OU
     gzip -c /tmp/$name.csv > "$OUT/$name.csv.gz"
 }
 
+# The op tests of the products first (CUDA against the CPU): a timeline of wrong kernels is worth nothing.
+run_bin env PRESCOPE_SYNC_DEBUG=1 timeout 200 build-gpu/bin/test-backend-ops test -o "$OPS_TEST" > "$OUT/ops-test.log" 2>&1
+say "op tests ($OPS_TEST): exit $?, $(tail -1 "$OUT/ops-test.log")"
 run_bin timeout 200 build-gpu/bin/test-backend-ops perf --json "$OUT/ops-perf.jsonl" > "$OUT/ops-perf.log" 2>&1
 say "op perf: exit $?, $(grep -c . "$OUT/ops-perf.jsonl" 2> /dev/null || echo 0) rows ($((SECONDS - T0)) s)"
 
@@ -67,9 +75,8 @@ for b in $BUDGETS; do
         2> "$OUT/prescope-$b-traced.log"
 done
 
-while [ ! -x "$PEER_BIN/llama-bench" ] && [ $((SECONDS - T0)) -lt "$PEER_WAIT" ] && pgrep -f peer/build.sh > /dev/null; do
-    sleep 5
-done
+# The binary appears before its link ends: wait for the whole build (and its packing).
+while [ $((SECONDS - T0)) -lt "$PEER_WAIT" ] && pgrep -f peer/build.sh > /dev/null; do sleep 5; done
 if [ -x "$PEER_BIN/llama-bench" ]; then
     timeout 120 "$PEER_BIN/llama-bench" -m "$MODEL" -ngl 99 -ncmoe 0 -t "$THREADS" -p 0 -n 64 -r 1 -o jsonl \
         > "$OUT/llama-0.jsonl" 2> "$OUT/llama-0.log"
@@ -81,3 +88,6 @@ else
 fi
 pgrep -f peer/build.sh > /dev/null && say "peer build still running: its binaries will not come back"
 say "done in $((SECONDS - T0)) s"
+# Few files come back from a call: everything but the summary and the peer's binaries goes into one archive.
+(cd "$OUT" && tar czf profile.tgz --exclude=profile.tgz --exclude=summary.txt --exclude=peer-bin . &&
+    find . -mindepth 1 -maxdepth 1 ! -name profile.tgz ! -name summary.txt ! -name peer-bin -exec rm -rf {} +)

@@ -140,13 +140,13 @@ bool calibrate_gpu(CostProfile &p, const Model &model, int32_t device, std::stri
                     g.type = x.gate_type;
                     g.w_dev = w_dev;
                     g.w_host = w_host;
-                    cuda::expert_matmul(g, xin, gate, ws, st);
-                    g.type = x.up_type;
-                    g.w_dev = w_dev + 1;
-                    g.w_host = w_host + 1;
-                    cuda::expert_matmul(g, xin, up, ws, st);
+                    g.type2 = x.up_type;
+                    g.w2_dev = w_dev + 1;
+                    g.w2_host = w_host + 1;
+                    cuda::expert_matmul(g, xin, gate, ws, st, cuda::MatmulPath::AUTO, up);
                     cuda::swiglu(gate, up, gate, m * x.n_ff, st);
                     cuda::ExpertMatmul d = g;
+                    d.w2_dev = d.w2_host = nullptr;
                     d.type = x.down_type;
                     d.n_in = x.n_ff;
                     d.n_out = n_embd;

@@ -178,11 +178,10 @@ void CudaMoeDevice::launch_gpu(const MoeStep &s) {
         g.type = x.gate_type;
         g.w_dev = reinterpret_cast<const void *const *>(meta_dev_ + o_gate);
         g.w_host = gate_w;
-        cuda::expert_matmul(g, h_dev_, gate, ws_, st);
-        g.type = x.up_type;
-        g.w_dev = reinterpret_cast<const void *const *>(meta_dev_ + o_up);
-        g.w_host = up_w;
-        cuda::expert_matmul(g, h_dev_, up, ws_, st);
+        g.type2 = x.up_type;
+        g.w2_dev = reinterpret_cast<const void *const *>(meta_dev_ + o_up);
+        g.w2_host = up_w;
+        cuda::expert_matmul(g, h_dev_, gate, ws_, st, cuda::MatmulPath::AUTO, up);
         cuda::swiglu(gate, up, gate, n_pairs * x.n_ff, st);
         g.type = x.down_type;
         g.n_in = x.n_ff;
@@ -190,12 +189,18 @@ void CudaMoeDevice::launch_gpu(const MoeStep &s) {
         g.rows_dev = nullptr;  // the intermediates are already in pair order
         g.w_dev = reinterpret_cast<const void *const *>(meta_dev_ + o_down);
         g.w_host = down_w;
+        g.w2_dev = g.w2_host = nullptr;
         cuda::expert_matmul(g, gate, pairs_ + int64_t(pair0) * n_embd, ws_, st);
     }
     if (s.wave == 0 && s.k_comb > s.k) {
         const GpuSharedExpert &l = shared_[size_t(s.layer)];
-        matmul(l.gate, h_dev_, s.n_tok, sh_gate_);
-        matmul(l.up, h_dev_, s.n_tok, sh_up_);
+        if (l.gate.type == l.up.type) {
+            const cuda::MatmulPart gate_up[2] = {{l.gate.data, l.gate.n_out, sh_gate_}, {l.up.data, l.up.n_out, sh_up_}};
+            cuda::matmul_parts(l.gate.type, gate_up, l.gate.n_in, h_dev_, s.n_tok, ws_, st);
+        } else {
+            matmul(l.gate, h_dev_, s.n_tok, sh_gate_);
+            matmul(l.up, h_dev_, s.n_tok, sh_up_);
+        }
         cuda::swiglu(sh_gate_, sh_up_, sh_gate_, s.n_tok * shape_.n_ff_shexp, st);
         matmul(l.down, sh_gate_, s.n_tok, pairs_ + (s.n_gpu_pairs + s.n_cpu_pairs) * n_embd);
     }

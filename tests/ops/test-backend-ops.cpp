@@ -293,6 +293,80 @@ struct MatmulCase : Case {
     double flops() const override { return 2.0 * double(n_in) * double(n_out) * double(n_tok); }
 };
 
+/// matmul_parts: q, k and v style matrices of different heights over the same activations in one call. Each
+/// part against cpu::matmul, and bit for bit against cu::matmul of that part alone (the claim of matmul.cuh).
+struct MatmulPartsCase : Case {
+    DType type;
+    int64_t n_in, n_tok;
+    std::vector<int64_t> n_out;
+    cu::MatmulPath path;
+    std::vector<std::vector<uint8_t>> w;
+    std::vector<float> x;
+    std::vector<std::vector<float>> y_ref;
+    std::vector<DevBuf> dw, dy, dy_alone;
+    DevBuf dx, ws;
+
+    MatmulPartsCase(DType t, int64_t ni, std::vector<int64_t> no, int64_t nt, cu::MatmulPath p = cu::MatmulPath::AUTO)
+        : type(t), n_in(ni), n_tok(nt), n_out(std::move(no)), path(p) {}
+    std::string op() const override { return "matmul_parts"; }
+    std::string vars() const override {
+        std::string outs;
+        for (int64_t o : n_out) outs += strf(outs.empty() ? "%lld" : "/%lld", (long long)o);
+        return strf("type=%s,n_in=%lld,n_out=%s,n_tok=%lld,path=%s", dtype_name(type), (long long)n_in, outs.c_str(),
+                    (long long)n_tok, path_name(path));
+    }
+    void init(Rng &rng) override {
+        size_t ws_bytes = 0;
+        w.clear(), dw.clear(), dy.clear(), dy_alone.clear();
+        for (int64_t o : n_out) {
+            w.push_back(make_weights(type, o, n_in, rng));
+            dw.emplace_back(w.back());
+            dy.emplace_back(size_t(n_tok * o) * 4);
+            dy_alone.emplace_back(size_t(n_tok * o) * 4);
+            ws_bytes = std::max(ws_bytes, cu::matmul_workspace_bytes(type, n_in, o, n_tok, path));
+        }
+        x = rng.floats(size_t(n_tok * n_in));
+        dx = DevBuf(x);
+        ws = DevBuf(ws_bytes);
+    }
+    void reference() override {
+        y_ref.assign(n_out.size(), {});
+        for (size_t z = 0; z < n_out.size(); ++z) {
+            y_ref[z].resize(size_t(n_tok * n_out[z]));
+            cpu::matmul(type, w[z].data(), n_in, n_out[z], x.data(), n_tok, y_ref[z].data());
+        }
+    }
+    void poison() override {
+        for (DevBuf &b : dy) b.poison();
+    }
+    void run() override {
+        std::vector<cu::MatmulPart> parts;
+        for (size_t z = 0; z < n_out.size(); ++z) parts.push_back({dw[z].bytes_ptr(), n_out[z], dy[z].as<float>()});
+        cu::matmul_parts(type, parts, n_in, dx.as<float>(), n_tok, ws.workspace(), g_stream, path);
+    }
+    std::vector<Check> compare() override {
+        std::vector<Check> c;
+        for (size_t z = 0; z < n_out.size(); ++z) {
+            const std::vector<float> got = dy[z].download<float>();
+            c.push_back(nmse(strf("y%zu", z), got, y_ref[z], matmul_tol(type, resolved_path(type, n_tok, path))));
+            cu::matmul(type, dw[z].bytes_ptr(), n_in, n_out[z], dx.as<float>(), n_tok, dy_alone[z].as<float>(),
+                       ws.workspace(), g_stream, path);
+            c.push_back(exact(strf("y%zu=alone", z), got, dy_alone[z].download<float>()));
+        }
+        return c;
+    }
+    double bytes() const override {
+        double b = double(x.size() * 4);
+        for (size_t z = 0; z < w.size(); ++z) b += double(w[z].size() + size_t(n_tok * n_out[z]) * 4);
+        return b;
+    }
+    double flops() const override {
+        double f = 0;
+        for (int64_t o : n_out) f += 2.0 * double(n_in) * double(o) * double(n_tok);
+        return f;
+    }
+};
+
 /// Routing of n_tok tokens to k of n_expert experts, as the pair lists expert_matmul consumes.
 struct PairLists {
     std::vector<int32_t> active;    // expert id of each group, in group order
@@ -494,10 +568,12 @@ struct MoeFfnCase : Case {
     }
     void run() override {
         const int64_t np = int64_t(p.rows.size());
-        cu::expert_matmul(gate.group(type, n_embd, n_ff, p, doff, &drows), dx.as<float>(), dg.as<float>(),
-                          ws.workspace(), g_stream);
-        cu::expert_matmul(up.group(type, n_embd, n_ff, p, doff, &drows), dx.as<float>(), du.as<float>(),
-                          ws.workspace(), g_stream);
+        // Gate and up in one call, as the runtime makes it (CudaMoeDevice::launch_gpu).
+        cu::ExpertMatmul gu = gate.group(type, n_embd, n_ff, p, doff, &drows);
+        gu.type2 = type;
+        gu.w2_dev = up.ptrs_dev.as<const void *const>(), gu.w2_host = up.ptrs.data();
+        cu::expert_matmul(gu, dx.as<float>(), dg.as<float>(), ws.workspace(), g_stream, cu::MatmulPath::AUTO,
+                          du.as<float>());
         cu::swiglu(dg.as<float>(), du.as<float>(), dg.as<float>(), np * n_ff, g_stream);
         cu::expert_matmul(down.group(type, n_ff, n_embd, p, doff, nullptr), dg.as<float>(), dd.as<float>(),
                           ws.workspace(), g_stream);
@@ -872,6 +948,13 @@ CaseList test_cases() {
     add<MatmulCase>(l, DType::Q8_0, 2048, 768, 1, P::GEMV, 2);     // Q8_0 rows off 16-byte alignment
     add<MatmulCase>(l, DType::Q8_0, 2048, 768, 100, P::CUBLAS, 6);
     add<MatmulCase>(l, DType::Q8_0, 2048, 16384, 40, P::CUBLAS);   // dequantized in two pieces
+    // q/k/v in one call (heights as Qwen3-30B-A3B's 4096 / 512 / 512, scaled), both paths, other dtypes
+    add<MatmulPartsCase>(l, DType::Q8_0, 256, std::vector<int64_t>{128, 16, 16}, 1);
+    add<MatmulPartsCase>(l, DType::Q8_0, 256, std::vector<int64_t>{128, 16, 16}, 5);
+    add<MatmulPartsCase>(l, DType::Q8_0, 256, std::vector<int64_t>{64, 24, 24}, 40);
+    add<MatmulPartsCase>(l, DType::Q4_K, 512, std::vector<int64_t>{96, 33}, 3);
+    add<MatmulPartsCase>(l, DType::F32, 64, std::vector<int64_t>{32, 8, 8}, 2);
+    add<MatmulPartsCase>(l, DType::BF16, 64, std::vector<int64_t>{40, 8}, 12, P::CUBLAS);
 
     for (DType t : {DType::Q8_0, DType::BF16, DType::F16, DType::F32}) {
         add<ExpertMatmulCase>(l, t, 2048, 768, 128, 8, 1, true);        // decode: 8 experts, 1 token
@@ -1000,6 +1083,7 @@ CaseList perf_cases() {
         add<MatmulCase>(l, t, 2048, 151936, 1);                 // output head, decode
     }
     add<MoeFfnCase>(l, DType::Q8_0, 2048, 768, 128, 8, 1);
+    add<MatmulPartsCase>(l, DType::Q8_0, 2048, std::vector<int64_t>{4096, 512, 512}, 1);  // q, k, v, decode
     add<MatmulCase>(l, DType::F32, 2048, 128, 1);               // router gate (F32 in GGUFs)
     for (int64_t ctx : {512, 4096, 32768}) add<AttentionCase>(l, 1, ctx - 1, 32, 4, 128);
     add<AttentionCase>(l, 512, 0, 32, 4, 128);

@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <span>
 #include <type_traits>
 
 namespace prescope::cuda {
@@ -46,14 +47,20 @@ static_assert(kMmvSmemBytes<DType::F32> <= 48 * 1024 && kMmvSmemBytes<DType::BF1
               kMmvSmemBytes<DType::Q6_K> <= 48 * 1024, "GEMV stages must fit the default shared memory");
 static_assert(kSliceChunks<DType::Q4_K> * kChunk % QK_K == 0, "a slice must be whole super-blocks");
 
+// Up to kMaxParts matrices over the same activations and pairs in one launch (grid.z = part): the q, k and v
+// projections, or the gate and up matrices of the same experts. Part z reads w[z] (or w_list[z][group]) and
+// writes y[z] ([n_pairs][n_out[z]]); its blocks past n_out[z] rows leave at once.
+constexpr int kMaxParts = 3;
+
 struct MmvArgs {
-    const void *w;              // the matrix when w_list == nullptr
-    const void *const *w_list;  // [n_group] matrices (experts), or nullptr
+    const void *w[kMaxParts];              // each part's matrix when w_list[0] == nullptr
+    const void *const *w_list[kMaxParts];  // each part's [n_group] matrices (experts), or nullptr
     const int32_t *offsets;     // [n_group + 1] pair ranges, or nullptr: one group of pairs [0, n_tok)
     const int32_t *rows;        // [n_pairs] row of x of each pair, or nullptr: row p
     const float *x;             // [..][n_in]
-    float *y;                   // [n_pairs][n_out]
-    int64_t n_in, n_out;
+    float *y[kMaxParts];        // [n_pairs][n_out[z]]
+    int64_t n_in;
+    int64_t n_out[kMaxParts];
     int32_t n_tok;              // pairs when offsets == nullptr
     int32_t max_tok;            // groups with more pairs are left to the cuBLAS path
 };
@@ -65,9 +72,12 @@ __global__ void __launch_bounds__(kMmvThreads, kMmvMinBlocks) mmv_kernel(const M
     const int32_t p_end = a.offsets != nullptr ? a.offsets[blockIdx.y + 1] : a.n_tok;
     if (p_end <= p_begin || p_end - p_begin > a.max_tok) return;  // uniform over the block
 
-    const uint8_t *w = static_cast<const uint8_t *>(a.w_list != nullptr ? a.w_list[blockIdx.y] : a.w);
+    const int z = int(blockIdx.z);
+    const int64_t row0 = int64_t(blockIdx.x) * kMmvRows, n_out = a.n_out[z];
+    if (row0 >= n_out) return;  // a shorter part of the launch (uniform over the block)
+    const uint8_t *w = static_cast<const uint8_t *>(a.w_list[0] != nullptr ? a.w_list[z][blockIdx.y] : a.w[z]);
+    float *const y = a.y[z];
     const size_t rb = row_bytes(T, a.n_in);
-    const int64_t row0 = int64_t(blockIdx.x) * kMmvRows, n_out = a.n_out;
     const int64_t n_chunks = a.n_in / kChunk;
     const int n_slices = int(ceil_div(n_chunks, kSliceChunks<T>));
     const int warp = int(threadIdx.x) / kWarp, lane = int(threadIdx.x) % kWarp;
@@ -160,15 +170,17 @@ __global__ void __launch_bounds__(kMmvThreads, kMmvMinBlocks) mmv_kernel(const M
 #pragma unroll
             for (int t = 0; t < NT; ++t) {
                 const float v = warp_sum(acc[j][t]);
-                if (lane == t && row < n_out && p0 + t < p_end) a.y[int64_t(p0 + t) * n_out + row] = v;
+                if (lane == t && row < n_out && p0 + t < p_end) y[int64_t(p0 + t) * n_out + row] = v;
             }
         }
     }
 }
 
 template <DType T>
-void launch_mmv(const MmvArgs &a, int n_group, int max_pairs, cudaStream_t stream) {
-    const dim3 grid(unsigned(ceil_div(a.n_out, kMmvRows)), unsigned(n_group));
+void launch_mmv(const MmvArgs &a, int n_group, int n_parts, int max_pairs, cudaStream_t stream) {
+    int64_t n_out = 0;
+    for (int z = 0; z < n_parts; ++z) n_out = a.n_out[z] > n_out ? a.n_out[z] : n_out;
+    const dim3 grid(unsigned(ceil_div(n_out, kMmvRows)), unsigned(n_group), unsigned(n_parts));
     constexpr int smem = kMmvSmemBytes<T>;
     if (max_pairs <= 1) {
         mmv_kernel<T, 1><<<grid, kMmvThreads, smem, stream>>>(a);
@@ -181,8 +193,9 @@ void launch_mmv(const MmvArgs &a, int n_group, int max_pairs, cudaStream_t strea
     }
 }
 
-void launch_mmv(DType type, const MmvArgs &a, int n_group, int max_pairs, cudaStream_t stream) {
-    dispatch_weight_type(type, [&](auto t) { launch_mmv<decltype(t)::value>(a, n_group, max_pairs, stream); });
+void launch_mmv(DType type, const MmvArgs &a, int n_group, int n_parts, int max_pairs, cudaStream_t stream) {
+    dispatch_weight_type(type,
+                         [&](auto t) { launch_mmv<decltype(t)::value>(a, n_group, n_parts, max_pairs, stream); });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -336,6 +349,21 @@ void check_weights(DType type, const void *w, int64_t n_in, int64_t n_out) {
     CUDA_ASSERT(reinterpret_cast<uintptr_t>(w) % weight_alignment(type) == 0);
 }
 
+// g without its second list, and g's second list as the only one.
+ExpertMatmul first_list(const ExpertMatmul &g) {
+    ExpertMatmul a = g;
+    a.w2_dev = a.w2_host = nullptr;
+    return a;
+}
+
+ExpertMatmul second_list(const ExpertMatmul &g) {
+    ExpertMatmul b = first_list(g);
+    b.type = g.type2;
+    b.w_dev = g.w2_dev;
+    b.w_host = g.w2_host;
+    return b;
+}
+
 } // namespace
 
 void quantize_activations(DType type, const float *x, const int32_t *rows, int64_t n, int64_t n_rows, float *out,
@@ -370,16 +398,21 @@ size_t matmul_workspace_bytes(DType type, int64_t n_in, int64_t n_out, int64_t n
     return q + x_bytes + dequant_bytes(type, n_in, n_out);
 }
 
-void matmul(DType type, const void *w, int64_t n_in, int64_t n_out, const float *x, int64_t n_tok, float *y,
-            Workspace ws, cudaStream_t stream, MatmulPath path) {
-    check_weights(type, w, n_in, n_out);
+void matmul_parts(DType type, std::span<const MatmulPart> parts, int64_t n_in, const float *x, int64_t n_tok,
+                  Workspace ws, cudaStream_t stream, MatmulPath path) {
+    CUDA_ASSERT(!parts.empty() && parts.size() <= size_t(kMaxParts));
+    for (const MatmulPart &m : parts) {
+        check_weights(type, m.w, n_in, m.n_out);
+        CUDA_ASSERT(reinterpret_cast<uintptr_t>(m.y) % 16 == 0);
+    }
     CUDA_ASSERT(n_tok >= 0 && n_tok < INT_MAX);
-    CUDA_ASSERT(reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(y) % 16 == 0);
+    CUDA_ASSERT(reinterpret_cast<uintptr_t>(x) % 16 == 0);
     if (n_tok == 0) return;
     path = resolve_path(path);
     if (path == MatmulPath::AUTO) path = n_tok <= matmul_gemv_max_tokens(type) ? MatmulPath::GEMV : MatmulPath::CUBLAS;
-    CUDA_ASSERT(ws.bytes >= matmul_workspace_bytes(type, n_in, n_out, n_tok, path));
-    // Workspace: [activations quantized and back] [activations as act_type] [dequantized weights].
+    for (const MatmulPart &m : parts) CUDA_ASSERT(ws.bytes >= matmul_workspace_bytes(type, n_in, m.n_out, n_tok, path));
+    // Workspace: [activations quantized and back] [activations as act_type] [dequantized weights]; the parts
+    // share the first two.
     auto *next = static_cast<uint8_t *>(ws.ptr);
     if (quantizes_activations(type)) {
         quantize_activations(type, x, nullptr, n_in, n_tok, reinterpret_cast<float *>(next), stream);
@@ -387,8 +420,17 @@ void matmul(DType type, const void *w, int64_t n_in, int64_t n_out, const float 
         next += quant_bytes(type, n_in, n_tok);
     }
     if (path == MatmulPath::GEMV) {
-        const MmvArgs a{w, nullptr, nullptr, nullptr, x, y, n_in, n_out, int32_t(n_tok), INT32_MAX};
-        launch_mmv(type, a, 1, int(n_tok), stream);
+        MmvArgs a{};
+        for (size_t z = 0; z < parts.size(); ++z) {
+            a.w[z] = parts[z].w;
+            a.y[z] = parts[z].y;
+            a.n_out[z] = parts[z].n_out;
+        }
+        a.x = x;
+        a.n_in = n_in;
+        a.n_tok = int32_t(n_tok);
+        a.max_tok = INT32_MAX;
+        launch_mmv(type, a, 1, int(parts.size()), int(n_tok), stream);
     } else {
         const void *xc = x;
         if (type != DType::F32) {
@@ -396,9 +438,15 @@ void matmul(DType type, const void *w, int64_t n_in, int64_t n_out, const float 
             xc = next;
             next += align_256(size_t(n_tok) * size_t(n_in) * elem_bytes(act_type(type)));
         }
-        gemm_converted(type, w, n_in, n_out, xc, n_tok, y, next, stream);
+        for (const MatmulPart &m : parts) gemm_converted(type, m.w, n_in, m.n_out, xc, n_tok, m.y, next, stream);
     }
     launch_check("matmul", stream);
+}
+
+void matmul(DType type, const void *w, int64_t n_in, int64_t n_out, const float *x, int64_t n_tok, float *y,
+            Workspace ws, cudaStream_t stream, MatmulPath path) {
+    const MatmulPart part{w, n_out, y};
+    matmul_parts(type, std::span<const MatmulPart>(&part, 1), n_in, x, n_tok, ws, stream, path);
 }
 
 int64_t expert_matmul_pairs(const ExpertMatmul &g) {
@@ -406,6 +454,11 @@ int64_t expert_matmul_pairs(const ExpertMatmul &g) {
 }
 
 size_t expert_matmul_workspace_bytes(const ExpertMatmul &g, MatmulPath path) {
+    if (g.w2_host != nullptr && g.type2 != g.type) {
+        const size_t a = expert_matmul_workspace_bytes(first_list(g), path);
+        const size_t b = expert_matmul_workspace_bytes(second_list(g), path);
+        return a > b ? a : b;
+    }
     path = resolve_path(path);
     const size_t q = quant_bytes(g.type, g.n_in, expert_matmul_pairs(g));
     if (path == MatmulPath::GEMV) return q;
@@ -418,11 +471,19 @@ size_t expert_matmul_workspace_bytes(const ExpertMatmul &g, MatmulPath path) {
 }
 
 void expert_matmul(const ExpertMatmul &g, const float *x, float *y, Workspace ws, cudaStream_t stream,
-                   MatmulPath path) {
+                   MatmulPath path, float *y2) {
     CUDA_ASSERT(g.n_expert >= 0 && g.n_expert <= 65535);
     if (g.n_expert == 0) return;
     CUDA_ASSERT(g.offsets_host != nullptr && g.offsets_host[0] == 0 && g.w_host != nullptr);
     CUDA_ASSERT(reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(y) % 16 == 0);
+    const bool two = g.w2_host != nullptr;
+    CUDA_ASSERT(two == (g.w2_dev != nullptr) && two == (y2 != nullptr));
+    CUDA_ASSERT(reinterpret_cast<uintptr_t>(y2) % 16 == 0);
+    if (two && g.type2 != g.type) {  // different activation quantizations: one call per list
+        expert_matmul(first_list(g), x, y, ws, stream, path);
+        expert_matmul(second_list(g), x, y2, ws, stream, path);
+        return;
+    }
     path = resolve_path(path);
     const int limit = path == MatmulPath::GEMV     ? INT32_MAX
                       : path == MatmulPath::CUBLAS ? 0
@@ -434,6 +495,7 @@ void expert_matmul(const ExpertMatmul &g, const float *x, float *y, Workspace ws
         CUDA_ASSERT(n >= 0);
         if (n == 0) continue;
         check_weights(g.type, g.w_host[e], g.n_in, g.n_out);
+        if (two) check_weights(g.type, g.w2_host[e], g.n_in, g.n_out);
         if (n <= limit) {
             max_small = n > max_small ? n : max_small;
         } else {
@@ -453,8 +515,18 @@ void expert_matmul(const ExpertMatmul &g, const float *x, float *y, Workspace ws
         next += quant_bytes(g.type, g.n_in, n_pairs);
     }
     if (max_small > 0) {
-        const MmvArgs a{nullptr, g.w_dev, g.offsets_dev, rows, x, y, g.n_in, g.n_out, 0, limit};
-        launch_mmv(g.type, a, g.n_expert, max_small, stream);
+        MmvArgs a{};
+        a.w_list[0] = g.w_dev;
+        a.w_list[1] = g.w2_dev;
+        a.y[0] = y;
+        a.y[1] = y2;
+        a.n_out[0] = a.n_out[1] = g.n_out;
+        a.offsets = g.offsets_dev;
+        a.rows = rows;
+        a.x = x;
+        a.n_in = g.n_in;
+        a.max_tok = limit;
+        launch_mmv(g.type, a, g.n_expert, two ? 2 : 1, max_small, stream);
     }
     if (any_cublas) {
         const DType at = act_type(g.type);
@@ -467,6 +539,8 @@ void expert_matmul(const ExpertMatmul &g, const float *x, float *y, Workspace ws
             if (n <= limit) continue;
             const void *xc = xa + size_t(p0) * size_t(g.n_in) * elem_bytes(at);
             gemm_converted(g.type, g.w_host[e], g.n_in, g.n_out, xc, n, y + int64_t(p0) * g.n_out, next, stream);
+            if (two)
+                gemm_converted(g.type, g.w2_host[e], g.n_in, g.n_out, xc, n, y2 + int64_t(p0) * g.n_out, next, stream);
         }
     }
     launch_check("expert_matmul", stream);

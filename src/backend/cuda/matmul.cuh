@@ -11,6 +11,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <span>
 
 namespace prescope::cuda {
 
@@ -51,6 +52,21 @@ size_t matmul_workspace_bytes(DType type, int64_t n_in, int64_t n_out, int64_t n
 void matmul(DType type, const void *w, int64_t n_in, int64_t n_out, const float *x, int64_t n_tok, float *y,
             Workspace ws, cudaStream_t stream, MatmulPath path = MatmulPath::AUTO);
 
+/// One matrix of a matmul_parts call: n_out rows of the shared n_in, written to y ([n_tok][n_out] F32 on the
+/// device, 16-byte aligned, overwritten).
+struct MatmulPart {
+    const void *w = nullptr;
+    int64_t n_out = 0;
+    float *y = nullptr;
+};
+
+/// matmul for up to 3 matrices of one type over the same activations (the q, k and v projections; a shared
+/// expert's gate and up): the activations are quantized (and, on the cuBLAS path, converted) once, and on the
+/// GEMV path one launch computes every part. Each part's y equals a matmul of that part alone bit for bit.
+/// Rules for w, x and ws as for matmul; ws must hold matmul_workspace_bytes of every part.
+void matmul_parts(DType type, std::span<const MatmulPart> parts, int64_t n_in, const float *x, int64_t n_tok,
+                  Workspace ws, cudaStream_t stream, MatmulPath path = MatmulPath::AUTO);
+
 /// One grouped product: the active experts of a layer, each with the (token, slot) pairs routed to it.
 /// Pairs are numbered expert by expert: the pairs of expert e are [offsets[e], offsets[e + 1]); pair p
 /// reads row rows[p] of x (or row p when rows == nullptr, e.g. for the down projection whose input is
@@ -66,6 +82,12 @@ struct ExpertMatmul {
     const int32_t *offsets_dev = nullptr;  // device [n_expert + 1]: 0 = offsets[0] <= ... = n_pairs
     const int32_t *offsets_host = nullptr; // host copy
     const int32_t *rows_dev = nullptr;     // device [n_pairs] row of x for each pair, or nullptr
+    // Optional second matrix of each expert over the same pairs and of the same shape (its up matrix next to
+    // the gate), of type type2: device and host lists as for w_*, or both nullptr. expert_matmul writes its
+    // products to y2.
+    DType type2 = DType::Q8_0;
+    const void *const *w2_dev = nullptr;
+    const void *const *w2_host = nullptr;
 };
 
 /// Pairs in the call (offsets_host[n_expert]).
@@ -81,8 +103,11 @@ size_t expert_matmul_workspace_bytes(const ExpertMatmul &g, MatmulPath path = Ma
 /// with few pairs (all of them at decode) plus, under AUTO, one cuBLAS product per expert with more
 /// than matmul_gemv_max_tokens(type) pairs. x: [>= max row + 1][n_in] F32; y: [n_pairs][n_out] F32
 /// (overwritten); alignment and dtype rules as for matmul. Experts with no pairs cost nothing.
+/// With g.w2_*: also y2[p] = W2_e x[rows[p]] ([n_pairs][n_out], required then, nullptr otherwise); when
+/// type2 == type in the same launches with the activations quantized once, else as a second call. y and y2
+/// each equal a call with that list alone bit for bit.
 /// Asynchronous on `stream`.
 void expert_matmul(const ExpertMatmul &g, const float *x, float *y, Workspace ws, cudaStream_t stream,
-                   MatmulPath path = MatmulPath::AUTO);
+                   MatmulPath path = MatmulPath::AUTO, float *y2 = nullptr);
 
 } // namespace prescope::cuda
