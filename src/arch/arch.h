@@ -175,16 +175,18 @@ class ArchLoader {
     const float *vector(const std::string &name, int64_t n, bool optional = false);
     /// An F32 tensor of exactly shape `ne` (converted as vector() does), e.g. per-expert biases [n, n_expert].
     const float *f32_tensor(const std::string &name, std::vector<int64_t> ne, bool optional = false);
-    /// {arch}.rope.scaling.*: type none (or absent) or yarn; anything else throws Error naming the file and key.
-    /// For yarn, sets hp().rope_yarn (factor, original_context_length, yarn_beta_fast / _slow, yarn_ext_factor)
-    /// with cos/sin scaled as llama.cpp's llama_context does (ggml's own 1 + 0.1 ln(factor) folded in):
-    /// rope.scaling.attn_factor x (1 + 0.1 ln(factor)) without rope.scaling.yarn_log_multiplier, and
-    /// attn_factor alone with it (llama.cpp's deepseek2 case, [TAG_DEEPSEEK2_YARN_LOG_MUL_FIX]).
+    /// The {arch}.rope.scaling.* values an architecture may need beyond hp().rope_yarn (deepseek2's score scale).
     struct RopeScaling {
         double factor = 1.0;          // rope.scaling.factor (1 without YaRN)
         double attn_factor = 1.0;     // rope.scaling.attn_factor
         double mscale_all_dim = 0.0;  // rope.scaling.yarn_log_multiplier / 0.1
     };
+    /// {arch}.rope.scaling.*: type none (or absent) or yarn; anything else, a factor below 1 or a length that is
+    /// not positive throws Error naming the file and key. For yarn, sets hp().rope_yarn (factor,
+    /// original_context_length, yarn_beta_fast / _slow, yarn_ext_factor) with cos/sin scaled as llama.cpp's
+    /// llama_context does (ggml's own 1 + 0.1 ln(factor) folded in): rope.scaling.attn_factor x (1 + 0.1
+    /// ln(factor)) without rope.scaling.yarn_log_multiplier, attn_factor alone with it (llama.cpp's deepseek2
+    /// case, [TAG_DEEPSEEK2_YARN_LOG_MUL_FIX]).
     RopeScaling read_rope_scaling();
     /// Binds token embedding, output norm and output head (falls back to tied embeddings).
     void bind_embeddings();

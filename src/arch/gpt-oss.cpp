@@ -25,7 +25,12 @@ void load_gpt_oss(ArchLoader &l) {
     hp.n_swa = int64_t(f.get_u32(swa_key));
     if (hp.n_swa <= 0) fail("{}: metadata '{}' is {}, expected a positive window", f.path(), swa_key, hp.n_swa);
     hp.swa_pattern = 2;
-    l.read_rope_scaling();
+    // llama.cpp scales cos/sin by get_mscale(factor) / get_mscale(factor, mscale_all_dim) for such a key outside
+    // deepseek2, which read_rope_scaling does not: no released gpt-oss file has one.
+    if (l.read_rope_scaling().mscale_all_dim != 0.0) {
+        fail("{}: metadata '{}.rope.scaling.yarn_log_multiplier' is not supported for gpt-oss (expected none)",
+             f.path(), hp.arch);
+    }
     l.bind_embeddings();
     for (int64_t il = 0; il < hp.n_layer; ++il) {
         l.bind_attention(il);

@@ -53,18 +53,52 @@ def test_files_have_llama_cpp_gpt_oss_keys_and_names():
         assert [int(x) for x in tensors["blk.0.ffn_gate_exps.bias"].shape] == [32, 8]
 
 
+def _hf_dequant(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """transformers' _convert_moe_packed_tensors without its final transpose: [..., G, 16] -> [..., G * 32]."""
+    lut = np.array(FP4_VALUES, np.float64)
+    vals = np.stack([lut[blocks & 0x0F], lut[blocks >> 4]], axis=-1).reshape(*blocks.shape, 2)
+    vals = vals.reshape(*blocks.shape[:-1], 32)
+    return np.ldexp(vals, scales.astype(np.int32)[..., None] - 127).reshape(*blocks.shape[:-2], -1)
+
+
 def test_mxfp4_repack_gives_transformers_values():
     rng = np.random.default_rng(3)
     blocks = rng.integers(0, 256, size=(2, 3, 4, 16), dtype=np.uint8)  # [E, rows, G, 16]
     scales = rng.integers(110, 140, size=(2, 3, 4), dtype=np.uint8)
-    # transformers' _convert_moe_packed_tensors: low nibble first, then ldexp by scale - 127.
-    lut = np.array(FP4_VALUES, np.float64)
-    vals = np.stack([lut[blocks & 0x0F], lut[blocks >> 4]], axis=-1).reshape(2, 3, 4, 32)
-    want = np.ldexp(vals, scales.astype(np.int32)[..., None] - 127).reshape(2, 3, 128)
+    want = _hf_dequant(blocks, scales)  # transformers' low nibble first, then ldexp by scale - 127
     packed = conv.repack_mxfp4(blocks, scales)
     assert packed.shape == (2, 3, 4 * 17) and packed.dtype == np.uint8
     got = gguf.quants.dequantize(packed, gguf.GGMLQuantizationType.MXFP4)
     np.testing.assert_array_equal(got.reshape(2, 3, 128), want.astype(np.float32))
+
+
+def test_released_mxfp4_experts_are_split_and_repacked(tmp_path):
+    """An expert block as the released checkpoints store it (gate_up rows interleaved gate, up, gate, ...): the
+    converter's gate / up / down tensors dequantize to the even / odd / all rows HF's dequantizer gives."""
+    pytest.importorskip("torch")  # TensorSource reads safetensors through torch
+    from safetensors.numpy import save_file
+
+    hp = conv.read_hparams(_config(), Path("config.json"), "GptOssForCausalLM")
+    E, D, F = hp.n_expert, hp.n_embd, hp.n_ff_exp
+    rng = np.random.default_rng(5)
+    pre = "model.layers.0.mlp.experts"
+    t = {f"{pre}.gate_up_proj_blocks": rng.integers(0, 256, (E, 2 * F, D // 32, 16), dtype=np.uint8),
+         f"{pre}.gate_up_proj_scales": rng.integers(118, 130, (E, 2 * F, D // 32), dtype=np.uint8),
+         f"{pre}.down_proj_blocks": rng.integers(0, 256, (E, D, F // 32, 16), dtype=np.uint8),
+         f"{pre}.down_proj_scales": rng.integers(118, 130, (E, D, F // 32), dtype=np.uint8),
+         f"{pre}.gate_up_proj_bias": rng.standard_normal((E, 2 * F)).astype(np.float32),
+         f"{pre}.down_proj_bias": rng.standard_normal((E, D)).astype(np.float32)}
+    save_file(t, str(tmp_path / "model.safetensors"))
+    out = dict(conv.gpt_oss_experts(conv.TensorSource(tmp_path), hp, 0))
+    gate_up = _hf_dequant(t[f"{pre}.gate_up_proj_blocks"], t[f"{pre}.gate_up_proj_scales"])  # [E, 2F, D]
+    down = _hf_dequant(t[f"{pre}.down_proj_blocks"], t[f"{pre}.down_proj_scales"])  # [E, D, F]
+    mx = gguf.GGMLQuantizationType.MXFP4
+    for name, want in (("gate", gate_up[:, 0::2]), ("up", gate_up[:, 1::2]), ("down", down)):
+        raw = out[f"blk.0.ffn_{name}_exps.weight"]
+        assert raw.qtype == mx
+        np.testing.assert_array_equal(gguf.quants.dequantize(raw.data, mx), want.astype(np.float32))
+    np.testing.assert_array_equal(out["blk.0.ffn_gate_exps.bias"], t[f"{pre}.gate_up_proj_bias"][:, 0::2])
+    np.testing.assert_array_equal(out["blk.0.ffn_up_exps.bias"], t[f"{pre}.gate_up_proj_bias"][:, 1::2])
 
 
 @pytest.mark.parametrize("edit,needle", [
