@@ -20,13 +20,13 @@ struct ChatMessage {
 
 /// The template family PreScope recognised in the file, for logs: "qwen3" (ChatML with Qwen3's <think>
 /// handling), "chatml" (ChatML, with the template's default system prompt if it has one: Qwen2, Qwen2.5),
-/// "mistral-v0" (Mixtral-8x7B-Instruct's original [INST] template, no system role) or "mistral-v1" (its
+/// "mistral-v0" (Mixtral-8x7B-Instruct's original [INST] template, no system role), "mistral-v1" (its
 /// updated template, system message folded into the first user turn) or "harmony" (gpt-oss, as llama.cpp's
 /// llama_chat_apply_template renders it: decision 0140).
 /// Recognised by markers in tokenizer.chat_template (<|start|> with <|channel|>, <|im_start|>, <think>, [INST],
 /// ' [INST] '); without a template, qwen* architectures whose vocabulary has <|im_start|> get "chatml",
-/// llama-architecture SentencePiece models "mistral-v1" and gpt-oss "harmony" (decision 0022). Throws prescope::Error naming the file and
-/// 'tokenizer.chat_template' when no family fits.
+/// llama-architecture SentencePiece models "mistral-v1" and gpt-oss "harmony" (decision 0022). Throws
+/// prescope::Error naming the file and 'tokenizer.chat_template' when no family fits.
 std::string chat_template_name(const GgufFile &file);
 
 /// A rendered conversation: the prompt text and the byte ranges of it that hold message contents (sorted,

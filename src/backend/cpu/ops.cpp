@@ -344,7 +344,7 @@ void swiglu_oai(const float *gate, const float *up, float *out, int64_t n, float
     const int nth = threads_here();
 #pragma omp parallel for num_threads(nth) if (nth > 1 && n >= kParallelMinElems)
     for (int64_t i = 0; i < n; ++i) {
-        // Clamped before the product so that one large activation cannot overflow it (HF GptOssExperts).
+        // The clamps are part of the model as trained (HF GptOssExperts): the gate from above only, up both ways.
         const float g = std::min(gate[i], limit);
         const float u = std::clamp(up[i], -limit, limit);
         out[i] = g / (1.0f + std::exp(-alpha * g)) * (u + 1.0f);
