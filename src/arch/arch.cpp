@@ -6,6 +6,7 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <cmath>
 
 namespace prescope {
 
@@ -16,6 +17,7 @@ const std::vector<ArchInfo> &arch_registry() {
         {"llama", load_mixtral},
         {"olmoe", load_olmoe},
         {"deepseek2", load_deepseek2},
+        {"gpt-oss", load_gpt_oss},
     };
     return registry;
 }
@@ -133,12 +135,50 @@ TensorView ArchLoader::matrix(const std::string &name, std::vector<int64_t> ne, 
 }
 
 const float *ArchLoader::vector(const std::string &name, int64_t n, bool optional) {
-    const TensorView v = matrix(name, {n}, optional);
+    return f32_tensor(name, {n}, optional);
+}
+
+const float *ArchLoader::f32_tensor(const std::string &name, std::vector<int64_t> ne, bool optional) {
+    const TensorView v = matrix(name, ne, optional);
     if (v.empty()) return nullptr;
     if (v.type == DType::F32) return static_cast<const float *>(v.data);
+    int64_t n = 1;
+    for (int64_t d : ne) n *= d;
     std::vector<float> &buf = m_.converted_.emplace_back(size_t(n));
     dequantize_row(v.type, v.data, buf.data(), n);
     return buf.data();
+}
+
+ArchLoader::RopeScaling ArchLoader::read_rope_scaling() {
+    const std::string a = m_.hp_.arch;
+    RopeScaling r;
+    const std::string scaling = f_.get_str_or(a + ".rope.scaling.type", "none");
+    if (scaling == "none") return r;
+    if (scaling != "yarn") {
+        fail("{}: metadata '{}.rope.scaling.type' is '{}' (expected none or yarn)", f_.path(), a, scaling);
+    }
+    cpu::RopeYarn y;
+    r.factor = f_.get_f64(a + ".rope.scaling.factor");
+    y.n_ctx_orig = int64_t(f_.get_u64(a + ".rope.scaling.original_context_length"));
+    if (!(r.factor >= 1.0) || y.n_ctx_orig <= 0) {
+        fail("{}: YaRN with rope.scaling.factor {} and original_context_length {} (expected factor >= 1 and a "
+             "positive length)", f_.path(), r.factor, y.n_ctx_orig);
+    }
+    y.freq_scale = float(1.0 / r.factor);
+    y.beta_fast = float(f_.get_f64_or(a + ".rope.scaling.yarn_beta_fast", 32.0));
+    y.beta_slow = float(f_.get_f64_or(a + ".rope.scaling.yarn_beta_slow", 1.0));
+    y.ext_factor = float(f_.get_f64_or(a + ".rope.scaling.yarn_ext_factor", 1.0));
+    r.attn_factor = f_.get_f64_or(a + ".rope.scaling.attn_factor", 1.0);
+    const double log_mul = f_.get_f64_or(a + ".rope.scaling.yarn_log_multiplier", 0.0);
+    r.mscale_all_dim = log_mul / 0.1;
+    // llama.cpp (llama_context): yarn_attn_factor = get_mscale(factor) / (1 + 0.1 ln factor) x attn_factor, and
+    // ggml's rope multiplies cos/sin by 1 + 0.1 ln factor again, so without a log multiplier they are scaled by
+    // attn_factor x get_mscale(factor) (HF _compute_yarn_parameters' default attention_factor); deepseek2 files
+    // carry the multiplier and get the ratio 1 there (its mscale goes to the scores, arch/deepseek2.cpp).
+    const double get_mscale = 1.0 + 0.1 * std::log(r.factor);
+    y.mscale = float(r.attn_factor * (log_mul == 0.0 ? get_mscale : 1.0));
+    m_.hp_.rope_yarn = y;
+    return r;
 }
 
 float *ArchLoader::owned_f32(size_t n) {
@@ -177,6 +217,8 @@ void ArchLoader::bind_attention(int64_t il) {
         l.bk = vector(p + "attn_k.bias", n_kv);
         l.bv = vector(p + "attn_v.bias", n_kv);
     }
+    if (hp.attn_out_bias) l.bo = vector(p + "attn_output.bias", hp.n_embd);
+    if (hp.attn_sinks) l.attn_sinks = vector(p + "attn_sinks.weight", hp.n_head);
     if (hp.qk_norm == QkNorm::PER_HEAD) {
         l.q_norm = vector(p + "attn_q_norm.weight", hp.head_dim);
         l.k_norm = vector(p + "attn_k_norm.weight", hp.head_dim);
@@ -186,15 +228,21 @@ void ArchLoader::bind_attention(int64_t il) {
     }
 }
 
-void ArchLoader::bind_moe(int64_t il) {
+void ArchLoader::bind_moe(int64_t il, const std::string &norm) {
     const HParams &hp = m_.hp_;
     LayerWeights &l = m_.w_.layers[size_t(il)];
     const std::string p = fmt::format("blk.{}.", il);
-    l.ffn_norm = vector(p + "ffn_norm.weight", hp.n_embd);
+    l.ffn_norm = vector(p + norm + ".weight", hp.n_embd);
     l.gate_inp = matrix(p + "ffn_gate_inp.weight", {hp.n_embd, hp.n_expert});
     l.gate_exps = matrix(p + "ffn_gate_exps.weight", {hp.n_embd, hp.n_ff_exp, hp.n_expert});
     l.up_exps = matrix(p + "ffn_up_exps.weight", {hp.n_embd, hp.n_ff_exp, hp.n_expert});
     l.down_exps = matrix(p + "ffn_down_exps.weight", {hp.n_ff_exp, hp.n_embd, hp.n_expert});
+    if (hp.moe_bias) {
+        l.gate_inp_b = vector(p + "ffn_gate_inp.bias", hp.n_expert);
+        l.gate_exps_b = f32_tensor(p + "ffn_gate_exps.bias", {hp.n_ff_exp, hp.n_expert});
+        l.up_exps_b = f32_tensor(p + "ffn_up_exps.bias", {hp.n_ff_exp, hp.n_expert});
+        l.down_exps_b = f32_tensor(p + "ffn_down_exps.bias", {hp.n_embd, hp.n_expert});
+    }
     if (hp.shared_expert) {
         l.gate_shexp = matrix(p + "ffn_gate_shexp.weight", {hp.n_embd, hp.n_ff_shexp});
         l.up_shexp = matrix(p + "ffn_up_shexp.weight", {hp.n_embd, hp.n_ff_shexp});

@@ -1,5 +1,5 @@
 // Model architectures: hyper-parameters, weight bindings and the registry of supported GGUF
-// architectures (qwen3moe, qwen2moe, llama-with-experts = Mixtral, olmoe, deepseek2). One file per architecture
+// architectures (qwen3moe, qwen2moe, llama-with-experts = Mixtral, olmoe, deepseek2, gpt-oss). One file per architecture
 // (docs/style R2) fills these structs; the forward pass (runtime/context) reads only the flags.
 #pragma once
 
@@ -28,10 +28,17 @@ enum class QkNorm {
 constexpr int64_t kMaxExperts = 384;
 
 /// Function that turns router logits into expert scores ({arch}.expert_gating_func, llama.cpp
-/// llama_expert_gating_func_type: 1 softmax, 2 sigmoid).
+/// llama_expert_gating_func_type: 1 softmax, 2 sigmoid, 3 softmax over the chosen).
 enum class ExpertGating {
-    SOFTMAX,  // softmax over all experts (Qwen, Mixtral, OLMoE, DeepSeek-V2)
-    SIGMOID,  // independent sigmoid per expert (DeepSeek-V3, Kimi-K2)
+    SOFTMAX,         // softmax over all experts (Qwen, Mixtral, OLMoE, DeepSeek-V2)
+    SIGMOID,         // independent sigmoid per expert (DeepSeek-V3, Kimi-K2)
+    SOFTMAX_WEIGHT,  // top-k of the raw logits, weights = softmax over those k (gpt-oss, HF GptOssTopKRouter)
+};
+
+/// The gated activation of the experts' gate and up rows.
+enum class ExpertAct {
+    SWIGLU,      // silu(gate) * up (cpu::swiglu)
+    SWIGLU_OAI,  // gpt-oss's clamped variant (cpu::swiglu_oai, alpha 1.702, limit 7)
 };
 
 struct HParams {
@@ -61,6 +68,18 @@ struct HParams {
     int64_t n_expert_group_used = 1;  // {arch}.expert_group_used_count: top-k only among this many best groups
     int64_t n_layer_dense = 0;        // {arch}.leading_dense_block_count: first layers with a dense FFN
     int64_t n_ff = 0;                 // {arch}.feed_forward_length: rows of the dense layers' gate/up matrices
+    ExpertAct expert_act = ExpertAct::SWIGLU;
+
+    // gpt-oss: biases on the attention output, the router and the experts; per-head attention sinks; a sliding
+    // window on every layer il with il % swa_pattern < swa_pattern - 1 (llama.cpp set_swa_pattern: gpt-oss's
+    // pattern 2 slides the even layers, HF GptOssConfig.layer_types "sliding_attention" there too).
+    bool attn_out_bias = false;  // blk.N.attn_output.bias
+    bool moe_bias = false;       // blk.N.ffn_gate_inp.bias and blk.N.ffn_{gate,up,down}_exps.bias
+    bool attn_sinks = false;     // blk.N.attn_sinks.weight
+    int64_t n_swa = 0;           // {arch}.attention.sliding_window: positions a sliding layer sees; 0: none
+    int64_t swa_pattern = 0;
+    /// The window of layer il in positions, 0 for full attention.
+    int64_t window(int64_t il) const { return n_swa > 0 && il % swa_pattern < swa_pattern - 1 ? n_swa : 0; }
 
     // Multi-head latent attention (deepseek2; llama.cpp writes it as MQA of one KV head, so n_head_kv = 1 and
     // head_dim = kv_lora_rank + head_dim_rope: the size of one cached latent row).
@@ -71,7 +90,7 @@ struct HParams {
     int64_t head_dim_rope = 0;  // {arch}.rope.dimension_count: the rotated part, shared by all heads for keys
     int64_t head_dim_v = 0;     // {arch}.attention.value_length_mla: value head size after attn_v_b
     float kq_scale = 0.0f;      // MLA score scale: mscale^2 / sqrt(head_dim_nope + head_dim_rope) (arch/deepseek2.cpp)
-    std::optional<cpu::RopeYarn> rope_yarn;  // {arch}.rope.scaling.type "yarn" (MLA only so far)
+    std::optional<cpu::RopeYarn> rope_yarn;  // {arch}.rope.scaling.type "yarn" (ArchLoader::read_rope_scaling)
 };
 
 /// Weights of one transformer block. 1-D weights are F32 pointers (converted once at load when the
@@ -80,11 +99,16 @@ struct LayerWeights {
     const float *attn_norm = nullptr;   // [n_embd]
     TensorView wq, wk, wv, wo;          // [n_embd -> n_head*head_dim], [n_embd -> n_head_kv*head_dim] x2, [n_head*head_dim -> n_embd]
     const float *bq = nullptr, *bk = nullptr, *bv = nullptr;  // qkv_bias only
+    const float *bo = nullptr;          // [n_embd] (attn_out_bias only)
+    const float *attn_sinks = nullptr;  // [n_head] sink logit per query head (attn_sinks only)
     const float *q_norm = nullptr, *k_norm = nullptr;         // qk_norm only
     const float *ffn_norm = nullptr;    // [n_embd]
     TensorView gate_inp;                // router: [n_embd -> n_expert]
     TensorView gate_exps, up_exps;      // [n_embd, n_ff_exp, n_expert]
     TensorView down_exps;               // [n_ff_exp, n_embd, n_expert]
+    const float *gate_inp_b = nullptr;  // [n_expert] router bias (moe_bias only)
+    const float *gate_exps_b = nullptr, *up_exps_b = nullptr;  // [n_expert][n_ff_exp] (moe_bias only)
+    const float *down_exps_b = nullptr;                         // [n_expert][n_embd] (moe_bias only)
     TensorView gate_shexp, up_shexp;    // [n_embd -> n_ff_shexp] (shared_expert only)
     TensorView down_shexp;              // [n_ff_shexp -> n_embd]
     const float *gate_inp_shexp = nullptr;  // [n_embd]: shared-expert gate vector (shared_expert_gate only)
@@ -149,13 +173,29 @@ class ArchLoader {
     TensorView matrix(const std::string &name, std::vector<int64_t> ne, bool optional = false);
     /// 1-D F32 weight of n elements (converted from F16/BF16 if needed).
     const float *vector(const std::string &name, int64_t n, bool optional = false);
+    /// An F32 tensor of exactly shape `ne` (converted as vector() does), e.g. per-expert biases [n, n_expert].
+    const float *f32_tensor(const std::string &name, std::vector<int64_t> ne, bool optional = false);
+    /// The {arch}.rope.scaling.* values an architecture may need beyond hp().rope_yarn (deepseek2's score scale).
+    struct RopeScaling {
+        double factor = 1.0;          // rope.scaling.factor (1 without YaRN)
+        double attn_factor = 1.0;     // rope.scaling.attn_factor
+        double mscale_all_dim = 0.0;  // rope.scaling.yarn_log_multiplier / 0.1
+    };
+    /// {arch}.rope.scaling.*: type none (or absent) or yarn; anything else, a factor below 1 or a length that is
+    /// not positive throws Error naming the file and key. For yarn, sets hp().rope_yarn (factor,
+    /// original_context_length, yarn_beta_fast / _slow, yarn_ext_factor) with cos/sin scaled as llama.cpp's
+    /// llama_context does (ggml's own 1 + 0.1 ln(factor) folded in): rope.scaling.attn_factor x (1 + 0.1
+    /// ln(factor)) without rope.scaling.yarn_log_multiplier, attn_factor alone with it (llama.cpp's deepseek2
+    /// case, [TAG_DEEPSEEK2_YARN_LOG_MUL_FIX]).
+    RopeScaling read_rope_scaling();
     /// Binds token embedding, output norm and output head (falls back to tied embeddings).
     void bind_embeddings();
-    /// Binds attention tensors of layer il (norm, q/k/v/o, biases, q/k norms per hp().qk_norm).
+    /// Binds attention tensors of layer il (norm, q/k/v/o, biases per hp().qkv_bias / attn_out_bias, q/k norms
+    /// per hp().qk_norm, sinks per hp().attn_sinks).
     void bind_attention(int64_t il);
-    /// Binds the MoE block of layer il (ffn_norm, router, experts, shared expert if hp().shared_expert,
-    /// its gate if hp().shared_expert_gate, exp_probs_b when the file has it).
-    void bind_moe(int64_t il);
+    /// Binds the MoE block of layer il (the norm blk.N.<norm>.weight, router, experts, their biases if
+    /// hp().moe_bias, shared expert if hp().shared_expert, its gate if hp().shared_expert_gate).
+    void bind_moe(int64_t il, const std::string &norm = "ffn_norm");
     /// n F32 values owned by the model, zeroed: weights an architecture derives at load (arch/deepseek2.cpp).
     float *owned_f32(size_t n);
     /// Whether matrix() or vector() bound the tensor `name` (Model::load refuses files with unbound tensors).
@@ -180,5 +220,6 @@ void load_qwen2moe(ArchLoader &l);
 void load_mixtral(ArchLoader &l);
 void load_olmoe(ArchLoader &l);
 void load_deepseek2(ArchLoader &l);
+void load_gpt_oss(ArchLoader &l);
 
 } // namespace prescope

@@ -97,30 +97,11 @@ void load_deepseek2(ArchLoader &l) {
     }
     hp.head_dim = hp.kv_lora_rank + hp.head_dim_rope;
     // YaRN as llama.cpp runs deepseek2 (llama-context.cpp, src/models/deepseek2.cpp [TAG_DEEPSEEK2_YARN_LOG_MUL_FIX]):
-    // cos/sin times rope.scaling.attn_factor, scores times mscale^2 with mscale = attn_factor * (1 + 0.1 *
-    // mscale_all_dim * ln(factor)); the file stores 0.1 * mscale_all_dim as yarn_log_multiplier. Equal to HF
-    // DeepseekV3 when mscale == mscale_all_dim (DeepSeek-V2-Lite, V3, Kimi-K2), which our converter requires.
-    const std::string scaling = f.get_str_or(a + ".rope.scaling.type", "none");
-    float mscale = 1.0f;
-    if (scaling == "yarn") {
-        cpu::RopeYarn y;
-        const double factor = f.get_f64(a + ".rope.scaling.factor");
-        y.n_ctx_orig = int64_t(f.get_u64(a + ".rope.scaling.original_context_length"));
-        if (!(factor >= 1.0) || y.n_ctx_orig <= 0) {
-            fail("{}: YaRN with rope.scaling.factor {} and original_context_length {} (expected factor >= 1 and a "
-                 "positive length)", f.path(), factor, y.n_ctx_orig);
-        }
-        y.freq_scale = float(1.0 / factor);
-        y.beta_fast = float(f.get_f64_or(a + ".rope.scaling.yarn_beta_fast", 32.0));
-        y.beta_slow = float(f.get_f64_or(a + ".rope.scaling.yarn_beta_slow", 1.0));
-        y.ext_factor = float(f.get_f64_or(a + ".rope.scaling.yarn_ext_factor", 1.0));
-        y.mscale = float(f.get_f64_or(a + ".rope.scaling.attn_factor", 1.0));
-        const double mscale_all_dim = f.get_f64_or(a + ".rope.scaling.yarn_log_multiplier", 0.0) / 0.1;
-        mscale = y.mscale * float(1.0 + 0.1 * mscale_all_dim * std::log(factor));
-        hp.rope_yarn = y;
-    } else if (scaling != "none") {
-        fail("{}: metadata '{}.rope.scaling.type' is '{}' (expected none or yarn)", f.path(), a, scaling);
-    }
+    // cos/sin times rope.scaling.attn_factor (read_rope_scaling), scores times mscale^2 with mscale = attn_factor *
+    // (1 + 0.1 * mscale_all_dim * ln(factor)); the file stores 0.1 * mscale_all_dim as yarn_log_multiplier. Equal
+    // to HF DeepseekV3 when mscale == mscale_all_dim (DeepSeek-V2-Lite, V3, Kimi-K2), which our converter requires.
+    const ArchLoader::RopeScaling yarn = l.read_rope_scaling();
+    const float mscale = float(yarn.attn_factor * (1.0 + 0.1 * yarn.mscale_all_dim * std::log(yarn.factor)));  // 1 without YaRN
     hp.kq_scale = mscale * mscale / std::sqrt(float(head_k));
 
     // Experts.

@@ -167,16 +167,24 @@ std::vector<uint64_t> ExpertStore::expert_bytes() const {
 
 ExpertViews ExpertStore::cpu_views(int32_t layer, int32_t expert) const {
     ExpertViews v;
+    const LayerWeights &l = model_.weights().layers[size_t(layer)];
     const auto *p = static_cast<const uint8_t *>(host_expert(layer, expert));
     if (!p) {
-        const LayerWeights &l = model_.weights().layers[size_t(layer)];
         v.gate = unnamed(l.gate_exps);
         v.up = unnamed(l.up_exps);
         v.down = unnamed(l.down_exps);
         v.index = expert;
-        return v;
+    } else {
+        v = canonical_views(layouts_[size_t(layer)], p);
     }
-    return canonical_views(layouts_[size_t(layer)], p);
+    // The biases stay in the model (F32, small): the same rows whichever copy of the matrices runs.
+    if (l.gate_exps_b) {
+        const int64_t n_ff = l.gate_exps.ne[1], n_embd = l.down_exps.ne[1];
+        v.gate_b = l.gate_exps_b + expert * n_ff;
+        v.up_b = l.up_exps_b + expert * n_ff;
+        v.down_b = l.down_exps_b + expert * n_embd;
+    }
+    return v;
 }
 
 ExpertViews ExpertStore::canonical_views(const ExpertLayout &x, const void *bytes) {

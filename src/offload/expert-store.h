@@ -31,9 +31,12 @@ struct ExpertLayout {
 
 /// An expert's three matrices as TensorViews for cpu_expert_ffn (runtime/moe.h), with the matrix index to
 /// pass it: 0 for a repacked expert (single-matrix views), the expert id for one read from the mapping.
+/// gate_b / up_b ([n_ff]) and down_b ([n_embd]) are the expert's F32 biases (HParams::moe_bias; cpu_views
+/// only), else null.
 struct ExpertViews {
     TensorView gate, up, down;
     int64_t index = 0;
+    const float *gate_b = nullptr, *up_b = nullptr, *down_b = nullptr;
 };
 
 struct ExpertStoreConfig {

@@ -82,7 +82,7 @@ std::vector<CostPoint> measure_cpu_expert(const Model &model, int32_t layer, int
     sc.fetchable.assign(size_t(hp.n_layer * hp.n_expert), 0);  // read in place, as the CPU engine does
     const ExpertStore store(model, nullptr, sc);
     const int64_t n_ff = store.layout(layer).n_ff;
-    CpuExpertRunner runner(hp.n_embd, n_ff, max_tokens);
+    CpuExpertRunner runner(hp.n_embd, n_ff, max_tokens, hp.expert_act);
     std::vector<float> x(size_t(max_tokens * hp.n_embd)), y(x.size());
     for (size_t i = 0; i < x.size(); ++i) x[i] = float(int(i % 17) - 8) * 0.01f;
     std::vector<int32_t> rows(static_cast<size_t>(max_tokens));

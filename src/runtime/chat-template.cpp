@@ -1,5 +1,6 @@
 // Chat templates (chat-template.h): recognise the family of tokenizer.chat_template, then render it in C++.
-// Each renderer follows one real template line by line; the Jinja sources are in tests/data/tokenizers/chat/.
+// Each renderer follows one real template line by line (the Jinja sources are in tests/data/tokenizers/chat/), but
+// harmony, which follows llama.cpp's own rendering of it.
 #include "runtime/chat-template.h"
 
 #include "core/error.h"
@@ -12,7 +13,7 @@ namespace {
 
 constexpr const char *kKeyTemplate = "tokenizer.chat_template";
 
-enum class Family { CHATML, QWEN3, MISTRAL_V0, MISTRAL_V1 };
+enum class Family { CHATML, QWEN3, MISTRAL_V0, MISTRAL_V1, HARMONY };
 
 struct Template {
     Family family = Family::CHATML;
@@ -64,6 +65,8 @@ std::string token_text(const GgufFile &f, const char *id_key) {
 Template recognise(const GgufFile &f) {
     const std::string tmpl = f.get_str_or(kKeyTemplate, "");
     if (!tmpl.empty()) {
+        // llama.cpp llm_chat_detect_template's test for gpt-oss's harmony template.
+        if (contains(tmpl, "<|start|>") && contains(tmpl, "<|channel|>")) return {Family::HARMONY, "", ""};
         if (contains(tmpl, "<|im_start|>")) {
             if (contains(tmpl, "<think>")) return {Family::QWEN3, "", ""};
             return {Family::CHATML, find_default_system(tmpl), ""};
@@ -78,7 +81,7 @@ Template recognise(const GgufFile &f) {
                  f.path(), kKeyTemplate);
         }
         fail("{}: metadata '{}' is not a chat template PreScope knows (expected ChatML with <|im_start|> as "
-             "in Qwen models, or Mistral [INST] as in Mixtral)",
+             "in Qwen models, Mistral [INST] as in Mixtral, or gpt-oss's harmony with <|start|> and <|channel|>)",
              f.path(), kKeyTemplate);
     }
     // No template: choose by architecture and tokenizer (decision 0022).
@@ -94,8 +97,9 @@ Template recognise(const GgufFile &f) {
     }
     if (arch == "llama" && model == "llama")
         return {Family::MISTRAL_V1, "", token_text(f, "tokenizer.ggml.eos_token_id")};
+    if (arch == "gpt-oss") return {Family::HARMONY, "", ""};
     fail("{}: missing metadata '{}', and architecture '{}' with tokenizer '{}' has no default chat template "
-         "(expected a qwen* architecture or a llama-architecture SentencePiece model such as Mixtral)",
+         "(expected a qwen* or gpt-oss architecture or a llama-architecture SentencePiece model such as Mixtral)",
          f.path(), kKeyTemplate, arch, model);
 }
 
@@ -224,6 +228,20 @@ ChatPrompt render_mistral(const GgufFile &f, const Template &t, const std::vecto
     return b.take();
 }
 
+// gpt-oss's harmony format as llama.cpp renders it without Jinja (llama-chat.cpp LLM_CHAT_TEMPLATE_OPENAI_MOE):
+// <|start|>role<|message|>content, closed by <|return|> after an assistant turn and <|end|> after the others,
+// then <|start|>assistant as the generation prompt. Not the full Jinja template (no system preamble with the date,
+// developer role or channels; decision 0140).
+ChatPrompt render_harmony(const std::vector<ChatMessage> &msgs, bool gen) {
+    PromptBuilder b;
+    for (const ChatMessage &m : msgs) {
+        b.tmpl("<|start|>").tmpl(m.role).tmpl("<|message|>").content(m.content);
+        b.tmpl(m.role == "assistant" ? "<|return|>" : "<|end|>");
+    }
+    if (gen) b.tmpl("<|start|>assistant");
+    return b.take();
+}
+
 } // namespace
 
 std::string chat_template_name(const GgufFile &file) {
@@ -232,6 +250,7 @@ std::string chat_template_name(const GgufFile &file) {
     case Family::CHATML: return "chatml";
     case Family::MISTRAL_V0: return "mistral-v0";
     case Family::MISTRAL_V1: return "mistral-v1";
+    case Family::HARMONY: return "harmony";
     }
     return "";
 }
@@ -249,6 +268,7 @@ ChatPrompt render_chat(const GgufFile &file, const std::vector<ChatMessage> &mes
     case Family::QWEN3: return render_qwen3(messages, add_generation_prompt);
     case Family::MISTRAL_V0:
     case Family::MISTRAL_V1: return render_mistral(file, t, messages);
+    case Family::HARMONY: return render_harmony(messages, add_generation_prompt);
     }
     return {};
 }

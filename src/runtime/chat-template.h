@@ -1,5 +1,6 @@
-// Chat templates chosen from a GGUF's tokenizer.chat_template: ChatML (Qwen) and Mistral [INST] (Mixtral),
-// re-implemented in C++ (no Jinja at runtime) and checked against HF's renderer (docs/tokenizer.md).
+// Chat templates chosen from a GGUF's tokenizer.chat_template: ChatML (Qwen), Mistral [INST] (Mixtral) and
+// gpt-oss's harmony, re-implemented in C++ (no Jinja at runtime) and checked against HF's renderer (harmony:
+// against llama.cpp's built-in rendering; docs/tokenizer.md).
 #pragma once
 
 #include "runtime/tokenizer.h"
@@ -19,12 +20,13 @@ struct ChatMessage {
 
 /// The template family PreScope recognised in the file, for logs: "qwen3" (ChatML with Qwen3's <think>
 /// handling), "chatml" (ChatML, with the template's default system prompt if it has one: Qwen2, Qwen2.5),
-/// "mistral-v0" (Mixtral-8x7B-Instruct's original [INST] template, no system role) or "mistral-v1" (its
-/// updated template, system message folded into the first user turn).
-/// Recognised by markers in tokenizer.chat_template (<|im_start|>, <think>, [INST], ' [INST] '); without a
-/// template, qwen* architectures whose vocabulary has <|im_start|> get "chatml" and llama-architecture
-/// SentencePiece models "mistral-v1" (decision 0022). Throws prescope::Error naming the file and
-/// 'tokenizer.chat_template' when no family fits.
+/// "mistral-v0" (Mixtral-8x7B-Instruct's original [INST] template, no system role), "mistral-v1" (its
+/// updated template, system message folded into the first user turn) or "harmony" (gpt-oss, as llama.cpp's
+/// llama_chat_apply_template renders it: decision 0140).
+/// Recognised by markers in tokenizer.chat_template (<|start|> with <|channel|>, <|im_start|>, <think>, [INST],
+/// ' [INST] '); without a template, qwen* architectures whose vocabulary has <|im_start|> get "chatml",
+/// llama-architecture SentencePiece models "mistral-v1" and gpt-oss "harmony" (decision 0022). Throws
+/// prescope::Error naming the file and 'tokenizer.chat_template' when no family fits.
 std::string chat_template_name(const GgufFile &file);
 
 /// A rendered conversation: the prompt text and the byte ranges of it that hold message contents (sorted,

@@ -1,7 +1,8 @@
 // Forward pass of the supported MoE transformers on the CPU backend. Per block (HF
 // Qwen3MoeDecoderLayer and relatives): x += Wo . attn(rope(norm_qk(Wq h)), rope(norm_qk(Wk h)), Wv h)
 // with h = rmsnorm(x); then x += MoE(rmsnorm(x)) (+ sigmoid-gated shared expert for qwen2moe). deepseek2: MLA
-// attention (mla_attention_block), dense FFN in the leading layers, ungated shared experts.
+// attention (mla_attention_block), dense FFN in the leading layers, ungated shared experts. gpt-oss: the same
+// block with biases, attention sinks and a sliding window on some layers (HF GptOssDecoderLayer).
 #include "runtime/context.h"
 
 #include "core/error.h"
@@ -249,8 +250,9 @@ void Context::attention_block(int64_t il, int64_t n, std::span<const SeqRun> run
         cpu::rms_norm(q_.data(), l.q_norm, n, n_q, hp.rms_eps, q_.data());
         cpu::rms_norm(k_.data(), l.k_norm, n, n_kv, hp.rms_eps, k_.data());
     }
-    cpu::rope(q_.data(), n, hp.n_head, hp.head_dim, pos_.data(), hp.rope_freq_base, hp.rope_mode);
-    cpu::rope(k_.data(), n, hp.n_head_kv, hp.head_dim, pos_.data(), hp.rope_freq_base, hp.rope_mode);
+    const cpu::RopeYarn *yarn = hp.rope_yarn ? &*hp.rope_yarn : nullptr;
+    cpu::rope(q_.data(), n, hp.n_head, hp.head_dim, pos_.data(), hp.rope_freq_base, hp.rope_mode, yarn);
+    cpu::rope(k_.data(), n, hp.n_head_kv, hp.head_dim, pos_.data(), hp.rope_freq_base, hp.rope_mode, yarn);
 
     // Each run against its own sequence's cache.
     int64_t t0 = 0;
@@ -261,10 +263,11 @@ void Context::attention_block(int64_t il, int64_t n, std::span<const SeqRun> run
         std::copy_n(k_.data() + t0 * n_kv, r.n * n_kv, kc + r.pos0 * n_kv);
         std::copy_n(v_.data() + t0 * n_kv, r.n * n_kv, vc + r.pos0 * n_kv);
         cpu::attention(q_.data() + t0 * n_q, kc, vc, r.n, r.pos0, hp.n_head, hp.n_head_kv, hp.head_dim,
-                       1.0f / std::sqrt(float(hp.head_dim)), attn_.data() + t0 * n_q);
+                       1.0f / std::sqrt(float(hp.head_dim)), attn_.data() + t0 * n_q, l.attn_sinks, hp.window(il));
         t0 += r.n;
     }
     cpu::matmul(l.wo, attn_.data(), n, ffn_.data());
+    if (l.bo) cpu::add_bias(ffn_.data(), l.bo, n, hp.n_embd);
     for (int64_t i = 0; i < n * hp.n_embd; ++i) x_[size_t(i)] += ffn_[size_t(i)];
 }
 

@@ -76,13 +76,7 @@ void GpuContext::init() {
     const Model &model = model_;
     const OffloadConfig &config = config_;
     const HParams &hp = model.hp();
-    // The GPU layer step has plain attention and an MoE block in every layer (decision 0121).
-    if (hp.mla || hp.n_layer_dense > 0 || hp.expert_gating != ExpertGating::SOFTMAX || hp.n_expert_group > 1 ||
-        (hp.shared_expert && !hp.shared_expert_gate)) {
-        fail("{}: the GPU runtime does not run architecture '{}' yet (MLA attention, dense layers, sigmoid or "
-             "group-limited routing); leave --gpu-expert-budget out to run it on the CPU",
-             model.file().path(), hp.arch);
-    }
+    check_gpu_runs(model);  // decisions 0121, 0140
     if (params_.n_ctx <= 0) params_.n_ctx = hp.n_ctx_train;
     if (params_.n_batch <= 0 || params_.n_ctx <= 0) {
         fail("invalid context: n_ctx {} and n_batch {} must be positive", params_.n_ctx, params_.n_batch);

@@ -96,7 +96,7 @@ HybridMoe::HybridMoe(const Model &model, const ExpertStore &store, const Placeme
     fill_.resize(E);
     int64_t n_ff = 0;
     for (int32_t l = 0; l < store.n_layers(); ++l) n_ff = std::max(n_ff, store.layout(l).n_ff);
-    cpu_runner_ = CpuExpertRunner(hp.n_embd, n_ff, int64_t(pairs));
+    cpu_runner_ = CpuExpertRunner(hp.n_embd, n_ff, int64_t(pairs), hp.expert_act);
     predicted_.reserve(window * E);
     prefetch_list_.reserve(window * E);
     prefetch_slots_.reserve(window * E);

@@ -14,11 +14,12 @@ namespace prescope {
 void moe_route(const HParams &hp, const LayerWeights &l, const float *x, int64_t n_tok, float *probs, Routing &out) {
     const int64_t n_expert = hp.n_expert, k = hp.n_expert_used;
     cpu::matmul(l.gate_inp, x, n_tok, probs);
+    if (l.gate_inp_b) cpu::add_bias(probs, l.gate_inp_b, n_tok, n_expert);
     if (hp.expert_gating == ExpertGating::SIGMOID) {
         for (int64_t i = 0; i < n_tok * n_expert; ++i) probs[i] = 1.0f / (1.0f + std::exp(-probs[i]));
-    } else {
+    } else if (hp.expert_gating == ExpertGating::SOFTMAX) {
         cpu::softmax(probs, n_tok, n_expert);
-    }
+    }  // SOFTMAX_WEIGHT chooses on the logits themselves
     out.n_tok = n_tok;
     out.k = k;
     out.ids.resize(size_t(n_tok * k));
@@ -56,6 +57,8 @@ void moe_route(const HParams &hp, const LayerWeights &l, const float *x, int64_t
             cpu::top_k(choice.data(), n_expert, k, ids, w);
             for (int64_t j = 0; j < k; ++j) w[j] = p[ids[j]];
         }
+        // HF GptOssTopKRouter, llama.cpp LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT: softmax over the k chosen.
+        if (hp.expert_gating == ExpertGating::SOFTMAX_WEIGHT) cpu::softmax(w, 1, k);
         if (hp.norm_topk_prob) {
             float sum = 0.0f;
             for (int64_t j = 0; j < k; ++j) sum += w[j];
@@ -83,8 +86,8 @@ void cpu_expert_ffn(const TensorView &gate, const TensorView &up, const TensorVi
     cpu::matmul(down, g, m, y, expert);
 }
 
-CpuExpertRunner::CpuExpertRunner(int64_t n_embd, int64_t max_n_ff, int64_t max_pairs)
-    : n_embd_(n_embd), max_n_ff_(max_n_ff), max_pairs_(max_pairs) {
+CpuExpertRunner::CpuExpertRunner(int64_t n_embd, int64_t max_n_ff, int64_t max_pairs, ExpertAct act)
+    : n_embd_(n_embd), max_n_ff_(max_n_ff), max_pairs_(max_pairs), act_(act) {
     check_host_memory(size_t(max_pairs) * sizeof(float) * size_t(n_embd + 2 * max_n_ff),
                       fmt::format("the CPU expert buffers for {} (token, expert) pairs per batch (-b)", max_pairs));
     xg_.resize(size_t(max_pairs * n_embd));
@@ -121,7 +124,21 @@ void CpuExpertRunner::run(const ExpertStore &store, int32_t layer, int32_t n, co
         }
         cpu::matmul_batch(first.up.type, n_embd, n_ff, jobs_.data(), int64_t(jobs_.size()));
     }
-    cpu::swiglu(gate_.data(), up_.data(), gate_.data(), n_pairs * n_ff);
+    const bool biased = first.gate_b != nullptr;  // all experts of a model or none (HParams::moe_bias)
+    if (biased) {
+        for (int32_t i = 0; i < n; ++i) {
+            const ExpertViews v = store.cpu_views(layer, experts[i]);
+            const int64_t p0 = offsets[i], m = offsets[i + 1] - p0;
+            cpu::add_bias(gate_.data() + p0 * n_ff, v.gate_b, m, n_ff);
+            cpu::add_bias(up_.data() + p0 * n_ff, v.up_b, m, n_ff);
+        }
+    }
+    if (act_ == ExpertAct::SWIGLU_OAI) {
+        cpu::swiglu_oai(gate_.data(), up_.data(), gate_.data(), n_pairs * n_ff, cpu::kSwigluOaiAlpha,
+                        cpu::kSwigluOaiLimit);
+    } else {
+        cpu::swiglu(gate_.data(), up_.data(), gate_.data(), n_pairs * n_ff);
+    }
     jobs_.clear();
     for (int32_t i = 0; i < n; ++i) {
         const ExpertViews v = store.cpu_views(layer, experts[i]);
@@ -129,6 +146,11 @@ void CpuExpertRunner::run(const ExpertStore &store, int32_t layer, int32_t n, co
         jobs_.push_back({v.down.matrix(v.index), gate_.data() + p0 * n_ff, m, y + p0 * n_embd});
     }
     cpu::matmul_batch(first.down.type, n_ff, n_embd, jobs_.data(), int64_t(jobs_.size()));
+    for (int32_t i = 0; biased && i < n; ++i) {
+        const ExpertViews v = store.cpu_views(layer, experts[i]);
+        const int64_t p0 = offsets[i], m = offsets[i + 1] - p0;
+        cpu::add_bias(y + p0 * n_embd, v.down_b, m, n_embd);
+    }
 }
 
 // The all-CPU plan: no GPU cache, so the MoE block's executor runs every routed expert on the host.

@@ -20,13 +20,15 @@ struct Routing {
     std::vector<float> weights;  // [n_tok][k] weights the expert outputs are multiplied by
 };
 
-/// Router of layer `l` for x: [n_tok][n_embd]: logits = ffn_gate_inp . x in F32, scores = softmax over all
-/// experts or, with ExpertGating::SIGMOID, a sigmoid per expert; top-k of the scores (ties: lower id first)
+/// Router of layer `l` for x: [n_tok][n_embd]: logits = ffn_gate_inp . x (+ ffn_gate_inp.bias when the layer
+/// has it) in F32, scores = softmax over all experts, with ExpertGating::SIGMOID a sigmoid per expert, with
+/// SOFTMAX_WEIGHT the logits themselves; top-k of the scores (ties: lower id first)
 /// with these options: the choice uses scores + exp_probs_b when the layer has that bias, and, with
 /// hp.n_expert_group > 1, only the hp.n_expert_group_used groups (of n_expert / n_expert_group consecutive
 /// experts) whose two best choosing scores sum highest (llama.cpp build_moe_ffn, HF DeepseekV3TopkRouter);
 /// the weights are the unbiased scores of the chosen experts, divided by their sum when hp.norm_topk_prob,
-/// then times hp.expert_weights_scale (HF Qwen3MoeSparseMoeBlock / MixtralSparseMoeBlock / DeepseekV3MoE).
+/// then times hp.expert_weights_scale (HF Qwen3MoeSparseMoeBlock / MixtralSparseMoeBlock / DeepseekV3MoE);
+/// with SOFTMAX_WEIGHT the weights are the softmax of the k chosen logits (HF GptOssTopKRouter).
 /// `probs` is scratch of n_tok * n_expert floats and holds the scores afterwards.
 void moe_route(const HParams &hp, const LayerWeights &l, const float *x, int64_t n_tok, float *probs, Routing &out);
 
@@ -36,7 +38,7 @@ class ExpertExecutor {
     virtual ~ExpertExecutor() = default;
     /// x: [r.n_tok][n_embd], the layer's ffn-norm output. out: [r.n_tok][n_embd], overwritten with
     /// sum_j r.weights[t][j] * expert_{r.ids[t][j]}(x[t]), summed in top-k order; an expert is
-    /// down(silu(gate(x)) * up(x)) (SwiGLU).
+    /// down(act(gate(x), up(x))) with act SwiGLU or HParams::expert_act, biases added where the model has them.
     virtual void run(int64_t layer, const float *x, const Routing &r, float *out) = 0;
 };
 
@@ -46,15 +48,18 @@ class ExpertExecutor {
 class CpuExpertRunner {
   public:
     CpuExpertRunner() = default;
-    CpuExpertRunner(int64_t n_embd, int64_t max_n_ff, int64_t max_pairs);
+    /// act: the models' HParams::expert_act.
+    CpuExpertRunner(int64_t n_embd, int64_t max_n_ff, int64_t max_pairs, ExpertAct act);
     /// y[p] = expert(x[rows[p]]) for the n experts of `layer`: experts[i] (read from wherever the store keeps
     /// it, ExpertStore::cpu_views) owns pairs [offsets[i], offsets[i+1]). x: [tokens][n_embd] F32;
-    /// y: [offsets[n]][n_embd] F32. Same results as cpu_expert_ffn per expert.
+    /// y: [offsets[n]][n_embd] F32. An expert is down(act(gate x + gate_b, up x + up_b)) + down_b (the biases
+    /// where ExpertViews has them); with SWIGLU and no biases the same results as cpu_expert_ffn.
     void run(const ExpertStore &store, int32_t layer, int32_t n, const int32_t *experts, const int32_t *offsets,
              const int32_t *rows, const float *x, float *y);
 
   private:
     int64_t n_embd_ = 0, max_n_ff_ = 0, max_pairs_ = 0;
+    ExpertAct act_ = ExpertAct::SWIGLU;
     std::vector<float> xg_;             // [max_pairs][n_embd] gathered inputs, by expert
     std::vector<float> gate_, up_;      // [max_pairs][max_n_ff]
     std::vector<cpu::MatmulJob> jobs_;  // reused job lists

@@ -1,4 +1,5 @@
-// Test-only builder of a tiny random-weight qwen3moe or deepseek2 GGUF (F32), with hooks to break it on purpose.
+// Test-only builder of a tiny random-weight qwen3moe, deepseek2 or gpt-oss GGUF (F32), with hooks to break it on
+// purpose.
 #pragma once
 
 #include "format/gguf.h"
@@ -8,6 +9,7 @@
 #include <functional>
 #include <map>
 #include <random>
+#include <set>
 
 namespace prescope::test {
 
@@ -21,6 +23,10 @@ struct TinyModelSpec {
     uint32_t n_layer_dense = 1, n_expert_group = 2, n_expert_group_used = 1;
     /// deepseek2 as written before llama.cpp split attn_kv_b (no *_mla keys, key/value_length per head).
     bool legacy_kv_b = false;
+    /// arch "gpt-oss": {arch}.attention.sliding_window (biases, sinks, post_attention_norm as llama.cpp's files).
+    uint32_t sliding_window = 3;
+    /// Integer metadata keys written as the string "x" instead (wrong-type tests).
+    std::set<std::string> keys_as_string;
     /// Called for every tensor before it is written: may rename it (empty name drops it), change its
     /// shape or its ggml type id. Tensors given a weight dtype other than F32 hold random blocks of it
     /// (test::random_weights, seeded by the name); other ids get bytes of the right size.
@@ -36,39 +42,47 @@ struct TinyModelSpec {
 inline void write_tiny_model(const std::string &path, const TinyModelSpec &s) {
     GgufWriter w;
     const std::string a = s.arch;
+    const auto u32 = [&](const std::string &key, uint32_t v) {
+        if (s.keys_as_string.count(key)) {
+            w.kv_str(key, "x");
+        } else {
+            w.kv_u32(key, v);
+        }
+    };
     w.kv_str("general.architecture", a);
-    w.kv_u32(a + ".context_length", s.n_ctx);
-    w.kv_u32(a + ".embedding_length", s.n_embd);
-    w.kv_u32(a + ".block_count", s.n_layer);
-    w.kv_u32(a + ".attention.head_count", s.n_head);
+    u32(a + ".context_length", s.n_ctx);
+    u32(a + ".embedding_length", s.n_embd);
+    u32(a + ".block_count", s.n_layer);
+    u32(a + ".attention.head_count", s.n_head);
     const bool mla = a == "deepseek2";
     const bool split = mla && !s.legacy_kv_b;
-    w.kv_u32(a + ".attention.head_count_kv", split ? 1 : mla ? s.n_head : s.n_head_kv);
-    w.kv_u32(a + ".attention.key_length", split ? s.kv_lora_rank + s.head_dim_rope
+    u32(a + ".attention.head_count_kv", split ? 1 : mla ? s.n_head : s.n_head_kv);
+    u32(a + ".attention.key_length", split ? s.kv_lora_rank + s.head_dim_rope
                                           : mla ? s.head_dim_nope + s.head_dim_rope : s.head_dim);
-    w.kv_u32(a + ".attention.value_length", split ? s.kv_lora_rank : mla ? s.head_dim_v : s.head_dim);
+    u32(a + ".attention.value_length", split ? s.kv_lora_rank : mla ? s.head_dim_v : s.head_dim);
     if (mla) {  // keys as llama.cpp's DeepseekV2Model writes them
-        if (s.q_lora_rank > 0) w.kv_u32(a + ".attention.q_lora_rank", s.q_lora_rank);
-        w.kv_u32(a + ".attention.kv_lora_rank", s.kv_lora_rank);
+        if (s.q_lora_rank > 0) u32(a + ".attention.q_lora_rank", s.q_lora_rank);
+        u32(a + ".attention.kv_lora_rank", s.kv_lora_rank);
         if (split) {
-            w.kv_u32(a + ".attention.key_length_mla", s.head_dim_nope + s.head_dim_rope);
-            w.kv_u32(a + ".attention.value_length_mla", s.head_dim_v);
+            u32(a + ".attention.key_length_mla", s.head_dim_nope + s.head_dim_rope);
+            u32(a + ".attention.value_length_mla", s.head_dim_v);
         }
-        w.kv_u32(a + ".rope.dimension_count", s.head_dim_rope);
-        w.kv_u32(a + ".leading_dense_block_count", s.n_layer_dense);
-        w.kv_u32(a + ".feed_forward_length", s.n_ff);
-        w.kv_u32(a + ".expert_shared_count", 1);
-        w.kv_u32(a + ".expert_gating_func", 2);
-        w.kv_u32(a + ".expert_group_count", s.n_expert_group);
-        w.kv_u32(a + ".expert_group_used_count", s.n_expert_group_used);
+        u32(a + ".rope.dimension_count", s.head_dim_rope);
+        u32(a + ".leading_dense_block_count", s.n_layer_dense);
+        u32(a + ".feed_forward_length", s.n_ff);
+        u32(a + ".expert_shared_count", 1);
+        u32(a + ".expert_gating_func", 2);
+        u32(a + ".expert_group_count", s.n_expert_group);
+        u32(a + ".expert_group_used_count", s.n_expert_group_used);
         w.kv_f32(a + ".expert_weights_scale", 2.5f);
         w.kv_bool(a + ".expert_weights_norm", true);
     }
     w.kv_f32(a + ".attention.layer_norm_rms_epsilon", 1e-6f);
     w.kv_f32(a + ".rope.freq_base", 10000.0f);
-    w.kv_u32(a + ".expert_count", s.n_expert);
-    w.kv_u32(a + ".expert_used_count", s.n_expert_used);
-    w.kv_u32(a + ".expert_feed_forward_length", s.n_ff);
+    if (a == "gpt-oss") u32(a + ".attention.sliding_window", s.sliding_window);
+    u32(a + ".expert_count", s.n_expert);
+    u32(a + ".expert_used_count", s.n_expert_used);
+    u32(a + ".expert_feed_forward_length", s.n_ff);
     w.kv_str("tokenizer.ggml.model", "gpt2");
     w.kv_str("tokenizer.ggml.pre", "qwen2");
     // GPT-2 byte alphabet (bytes_to_unicode) so every input byte has a token.
@@ -191,6 +205,7 @@ inline void write_tiny_model(const std::string &path, const TinyModelSpec &s) {
         add(p + "ffn_up_shexp.weight", {s.n_embd, s.n_ff}, false);
         add(p + "ffn_down_shexp.weight", {s.n_ff, s.n_embd}, false);
     }
+    const bool oss = a == "gpt-oss";
     for (uint32_t i = 0; !mla && i < s.n_layer; ++i) {
         const std::string p = "blk." + std::to_string(i) + ".";
         add(p + "attn_norm.weight", {s.n_embd}, true);
@@ -198,9 +213,22 @@ inline void write_tiny_model(const std::string &path, const TinyModelSpec &s) {
         add(p + "attn_k.weight", {s.n_embd, kv}, false);
         add(p + "attn_v.weight", {s.n_embd, kv}, false);
         add(p + "attn_output.weight", {q, s.n_embd}, false);
-        add(p + "attn_q_norm.weight", {s.head_dim}, true);
-        add(p + "attn_k_norm.weight", {s.head_dim}, true);
-        add(p + "ffn_norm.weight", {s.n_embd}, true);
+        if (oss) {  // llama.cpp's gpt-oss tensors (src/models/openai-moe.cpp)
+            add(p + "attn_q.bias", {q}, false);
+            add(p + "attn_k.bias", {kv}, false);
+            add(p + "attn_v.bias", {kv}, false);
+            add(p + "attn_output.bias", {s.n_embd}, false);
+            add(p + "attn_sinks.weight", {s.n_head}, false);
+            add(p + "post_attention_norm.weight", {s.n_embd}, true);
+            add(p + "ffn_gate_inp.bias", {s.n_expert}, false);
+            add(p + "ffn_gate_exps.bias", {s.n_ff, s.n_expert}, false);
+            add(p + "ffn_up_exps.bias", {s.n_ff, s.n_expert}, false);
+            add(p + "ffn_down_exps.bias", {s.n_embd, s.n_expert}, false);
+        } else {
+            add(p + "attn_q_norm.weight", {s.head_dim}, true);
+            add(p + "attn_k_norm.weight", {s.head_dim}, true);
+            add(p + "ffn_norm.weight", {s.n_embd}, true);
+        }
         add(p + "ffn_gate_inp.weight", {s.n_embd, s.n_expert}, false);
         add(p + "ffn_gate_exps.weight", {s.n_embd, s.n_ff, s.n_expert}, false);
         add(p + "ffn_up_exps.weight", {s.n_embd, s.n_ff, s.n_expert}, false);

@@ -97,7 +97,8 @@ class GpuReference : public ::testing::TestWithParam<fs::path> {
 TEST_P(GpuReference, LogitsAtEveryPositionWithinTheReferenceTolerance) {
     const json ref = read_json(GetParam());
     const auto model = Model::load((GetParam().parent_path() / ref["model"].get<std::string>()).string());
-    if (model->hp().mla) GTEST_SKIP() << "the GPU runtime refuses deepseek2 (GpuOffload.RefusesDeepseek2)";
+    if (!gpu_missing_features(model->hp()).empty())
+        GTEST_SKIP() << "the GPU runtime refuses " << model->hp().arch << " (GpuOffload.RefusesDeepseek2AndGptOss)";
     const auto ids = ref["sequence_ids"].get<std::vector<int32_t>>();
     const std::vector<float> expected = read_f32(GetParam().parent_path() / ref["logits_file"].get<std::string>());
     const auto rows = ref["logits_shape"][0].get<size_t>();
@@ -114,7 +115,8 @@ TEST_P(GpuReference, LogitsAtEveryPositionWithinTheReferenceTolerance) {
 TEST_P(GpuReference, GreedyTokensIdenticalToTheReferenceAtEveryBudget) {
     const json ref = read_json(GetParam());
     const auto model = Model::load((GetParam().parent_path() / ref["model"].get<std::string>()).string());
-    if (model->hp().mla) GTEST_SKIP() << "the GPU runtime refuses deepseek2 (GpuOffload.RefusesDeepseek2)";
+    if (!gpu_missing_features(model->hp()).empty())
+        GTEST_SKIP() << "the GPU runtime refuses " << model->hp().arch << " (GpuOffload.RefusesDeepseek2AndGptOss)";
     const auto prompt = ref["prompt_ids"].get<std::vector<int32_t>>();
     const auto expected = ref["greedy"].get<std::vector<int32_t>>();
     const int64_t n_ctx = int64_t(prompt.size() + expected.size()) + 1;
@@ -147,17 +149,22 @@ INSTANTIATE_TEST_SUITE_P(Models, GpuReference, ::testing::ValuesIn(reference_fil
 
 // With every miss fetched (cpu_threshold 0), decode steps run the same kernels on the same bytes whatever
 // the budget: the offloaded run equals the resident run exactly (docs/style R7's key invariant).
-// Until the GPU layer step has MLA, dense layers and sigmoid / group routing, it refuses such models in one line.
-TEST(GpuOffload, RefusesDeepseek2) {
-    for (const char *name : {"deepseekv3", "deepseekv2lite"}) {
+// Until the GPU layer step has MLA, dense layers and sigmoid / group routing (deepseek2), sinks, sliding windows,
+// YaRN, biases, softmax-weight routing and the clamped SwiGLU (gpt-oss), it refuses such models in one line naming
+// what it lacks of each.
+TEST(GpuOffload, RefusesDeepseek2AndGptOss) {
+    const std::pair<const char *, const char *> models[] = {
+        {"deepseekv3", "MLA attention"}, {"deepseekv2lite", "MLA attention"}, {"gptoss", "attention sinks"}};
+    for (const auto &[name, feature] : models) {
         const auto model =
             Model::load((fs::path(PRESCOPE_SOURCE_DIR) / "tests/data/models" / name / "tiny-f32.gguf").string());
         try {
             GpuContext gpu(*model, {64, 8}, offload(*model, model->hp().n_expert));
-            ADD_FAILURE() << name << ": GpuContext accepted a deepseek2 model";
+            ADD_FAILURE() << name << ": GpuContext accepted a " << model->hp().arch << " model";
         } catch (const Error &e) {
             const std::string what = e.what();
-            EXPECT_NE(what.find("architecture 'deepseek2'"), std::string::npos) << what;
+            EXPECT_NE(what.find("architecture '" + model->hp().arch + "'"), std::string::npos) << what;
+            EXPECT_NE(what.find(feature), std::string::npos) << what;
             EXPECT_EQ(what.find('\n'), std::string::npos) << what;
         }
     }

@@ -123,6 +123,16 @@ TEST_P(Reference, GreedyTokensIdentical) {
     EXPECT_EQ(greedy_ids(*model, prompt, greedy.size()), greedy) << GetParam();
 }
 
+// The prompt's text, through the tokenizer the GGUF carries (byte-level BPE with the file's pre-tokenizer, or
+// SentencePiece with its BOS), gives the ids HF's tokenizer gave (make_tiny_models.py RefTokenizer).
+TEST_P(Reference, PromptTextTokenizesToThePromptIds) {
+    const json ref = read_json(GetParam());
+    const auto model = prescope::Model::load((GetParam().parent_path() / ref["model"].get<std::string>()).string());
+    const prescope::Tokenizer tok = prescope::Tokenizer::from_gguf(model->file());
+    const bool bos = ref["tokenizer"].get<std::string>() == "spm";
+    EXPECT_EQ(tok.encode(ref["prompt_text"].get<std::string>(), bos, false), ref["prompt_ids"].get<std::vector<int32_t>>());
+}
+
 // llama.cpp (tools/py/llama_cpp_check.py: llama-completion --temp 0 on the same GGUF) printed the text of its
 // greedy tokens; with activations quantized as llama.cpp quantizes them, our text must be byte-identical,
 // also on the Q8_0 files where both leave HF's path.

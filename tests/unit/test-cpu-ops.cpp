@@ -482,6 +482,36 @@ TEST(CpuOps, SwigluMatchesReference) {
     }
 }
 
+// gpt-oss's clamped SwiGLU against HF GptOssExperts._apply_gate in double, over inputs on both sides of both clamps.
+TEST(CpuOps, SwigluOaiMatchesReference) {
+    std::mt19937 rng(52);
+    const double alpha = kSwigluOaiAlpha, limit = kSwigluOaiLimit;
+    for (int64_t n : {1, 37, 100000}) {
+        SCOPED_TRACE("n " + std::to_string(n));
+        const std::vector<float> gate = random_floats(size_t(n), rng, -20.0f, 20.0f);
+        const std::vector<float> up = random_floats(size_t(n), rng, -12.0f, 12.0f);
+        std::vector<double> ref(static_cast<size_t>(n));
+        for (size_t i = 0; i < ref.size(); ++i) {
+            const double g = std::min(double(gate[i]), limit), u = std::clamp(double(up[i]), -limit, limit);
+            ref[i] = g / (1.0 + std::exp(-alpha * g)) * (u + 1.0);
+        }
+        for_each_config([&] {
+            std::vector<float> out(size_t(n), kNaN);
+            swiglu_oai(gate.data(), up.data(), out.data(), n, kSwigluOaiAlpha, kSwigluOaiLimit);
+            EXPECT_TRUE(rel_close(out, ref, 1e-5));
+            std::vector<float> inplace = gate;  // out may alias gate
+            swiglu_oai(inplace.data(), up.data(), inplace.data(), n, kSwigluOaiAlpha, kSwigluOaiLimit);
+            EXPECT_TRUE(rel_close(inplace, ref, 1e-5));
+        });
+    }
+    // By hand: gate 9 clamps to 7, up -9 to -7; gate -3 is not clamped from below, up 2 not at all.
+    float g[2] = {9.0f, -3.0f};
+    const float u[2] = {-9.0f, 2.0f};
+    swiglu_oai(g, u, g, 2, kSwigluOaiAlpha, kSwigluOaiLimit);
+    EXPECT_NEAR(g[0], 7.0 / (1.0 + std::exp(-1.702 * 7.0)) * -6.0, 1e-5);
+    EXPECT_NEAR(g[1], -3.0 / (1.0 + std::exp(1.702 * 3.0)) * 3.0, 1e-6);
+}
+
 TEST(CpuOps, TopKOrdersDescendingWithTiesToLowerIndex) {
     std::mt19937 rng(61);
     std::vector<float> scores = random_floats(128, rng);
@@ -513,23 +543,29 @@ TEST(CpuOps, TopKOrdersDescendingWithTiesToLowerIndex) {
 
 namespace {
 
-/// Double-precision causal GQA attention; bound[i] = sum_j p_j |v_j| of each output element.
+/// Double-precision causal GQA attention; bound[i] = sum_j p_j |v_j| of each output element. With `sinks`
+/// ([n_head]) and `window` as cpu::attention takes them, written as HF GptOss's eager_attention_forward computes
+/// them: the sink appended to each row's scores, softmax over all, the sink's column dropped; positions at or
+/// beyond `window` behind the query masked (HF's sliding-window mask).
 void reference_attention(const std::vector<float> &q, const std::vector<float> &k, const std::vector<float> &v,
                          int64_t n_tok, int64_t pos0, int64_t n_head, int64_t n_head_kv, int64_t head_dim, float scale,
-                         std::vector<double> &ref, std::vector<double> &bound) {
+                         std::vector<double> &ref, std::vector<double> &bound, const float *sinks = nullptr,
+                         int64_t window = 0) {
     const int64_t ratio = n_head / n_head_kv;
     ref.assign(q.size(), 0.0);
     bound.assign(q.size(), 0.0);
     for (int64_t t = 0; t < n_tok; ++t)
         for (int64_t h = 0; h < n_head; ++h) {
             const int64_t kvh = h / ratio, n_kv = pos0 + t + 1;
-            std::vector<double> p(static_cast<size_t>(n_kv));
+            std::vector<double> p(static_cast<size_t>(n_kv) + 1, -INFINITY);  // the last one: the sink
             for (int64_t j = 0; j < n_kv; ++j) {
+                if (window > 0 && pos0 + t - j >= window) continue;
                 double s = 0.0;
                 for (int64_t d = 0; d < head_dim; ++d)
                     s += double(q[size_t((t * n_head + h) * head_dim + d)]) * k[size_t((j * n_head_kv + kvh) * head_dim + d)];
                 p[size_t(j)] = s * scale;
             }
+            if (sinks) p.back() = sinks[h];
             const double mx = *std::max_element(p.begin(), p.end());
             double sum = 0.0;
             for (double &e : p) sum += (e = std::exp(e - mx));
@@ -572,6 +608,37 @@ TEST(CpuOps, AttentionMatchesReference) {
                         EXPECT_TRUE(all_close(out, ref, bound, 2e-5));
                     });
                 }
+            }
+        }
+    }
+}
+
+// Windows shorter and longer than the cache and than one block of the online softmax (64 positions), with sinks
+// small, comparable to the scores and dominant (a row that attends mostly to nothing).
+TEST(CpuOps, AttentionWithSinksAndSlidingWindowMatchesReference) {
+    std::mt19937 rng(74);
+    const int64_t n_head = 4, n_head_kv = 2, head_dim = 64;
+    for (float sink_size : {0.0f, 3.0f, 30.0f}) {
+        for (int64_t window : {0, 1, 5, 64, 100}) {
+            for (const auto &[n_tok, pos0] : {std::pair<int64_t, int64_t>{1, 0}, {7, 0}, {3, 130}, {17, 60}}) {
+                SCOPED_TRACE("sinks " + std::to_string(sink_size) + " window " + std::to_string(window) + " n_tok " +
+                             std::to_string(n_tok) + " pos0 " + std::to_string(pos0));
+                const int64_t n_pos = pos0 + n_tok;
+                const std::vector<float> q = random_floats(size_t(n_tok * n_head * head_dim), rng, -2.0f, 2.0f);
+                const std::vector<float> k = random_floats(size_t(n_pos * n_head_kv * head_dim), rng, -2.0f, 2.0f);
+                const std::vector<float> v = random_floats(size_t(n_pos * n_head_kv * head_dim), rng);
+                std::vector<float> sinks = random_floats(size_t(n_head), rng, -1.0f, 1.0f);
+                for (float &s : sinks) s *= sink_size;
+                const float *sk = sink_size > 0.0f ? sinks.data() : nullptr;
+                const float scale = 1.0f / std::sqrt(float(head_dim));
+                std::vector<double> ref, bound;
+                reference_attention(q, k, v, n_tok, pos0, n_head, n_head_kv, head_dim, scale, ref, bound, sk, window);
+                for_each_config([&] {
+                    std::vector<float> out(q.size(), kNaN);
+                    attention(q.data(), k.data(), v.data(), n_tok, pos0, n_head, n_head_kv, head_dim, scale,
+                              out.data(), sk, window);
+                    EXPECT_TRUE(all_close(out, ref, bound, 2e-5));
+                });
             }
         }
     }

@@ -3,6 +3,7 @@
 #include "arch/arch.h"
 #include "core/error.h"
 #include "runtime/context.h"
+#include "runtime/engine.h"
 #include "../common/error-of.h"
 #include "../common/tiny-model.h"
 
@@ -170,6 +171,80 @@ TEST(ModelLoad, Deepseek2GroupsMustDivideTheExperts) {
     s.n_expert_group = 2;
     s.n_expert_group_used = 3;
     expect_load_error("ds2-groups-used", s, {"'deepseek2.expert_group_used_count' 3"});
+}
+
+TEST(ModelLoad, GptOssLoadsAndGivesFiniteLogits) {
+    TinyModelSpec s;
+    s.arch = "gpt-oss";
+    const auto m = Model::load(write("oss-ok", s));
+    EXPECT_EQ(m->hp().window(0), 3);  // even layers slide, odd ones see everything
+    EXPECT_EQ(m->hp().window(1), 0);
+    EXPECT_EQ(m->hp().expert_gating, prescope::ExpertGating::SOFTMAX_WEIGHT);
+    ASSERT_NE(m->weights().layers[1].attn_sinks, nullptr);
+    ASSERT_NE(m->weights().layers[1].down_exps_b, nullptr);
+    prescope::Context ctx(*m, {16, 4});
+    const std::vector<int32_t> ids = {1, 2, 3, 4, 5, 6};
+    ctx.eval(ids, /*all_logits=*/true);
+    for (float x : ctx.logits()) ASSERT_TRUE(std::isfinite(x));
+}
+
+TEST(ModelLoad, GptOssMissingSinks) {
+    TinyModelSpec s;
+    s.arch = "gpt-oss";
+    s.edit = [](std::string &name, auto &, auto &) {
+        if (name == "blk.1.attn_sinks.weight") name.clear();
+    };
+    expect_load_error("oss-sinks", s, {"missing tensor 'blk.1.attn_sinks.weight'", "expected shape [4]"});
+}
+
+TEST(ModelLoad, GptOssSlidingWindowOfTheWrongType) {
+    TinyModelSpec s;
+    s.arch = "gpt-oss";
+    s.keys_as_string = {"gpt-oss.attention.sliding_window"};
+    expect_load_error("oss-swa-type", s, {"metadata 'gpt-oss.attention.sliding_window' has type string", "expected"});
+    s.keys_as_string.clear();
+    s.sliding_window = 0;
+    expect_load_error("oss-swa-zero", s, {"'gpt-oss.attention.sliding_window' is 0, expected a positive window"});
+}
+
+TEST(ModelLoad, GptOssExpertBiasOfTheWrongShape) {
+    TinyModelSpec s;
+    s.arch = "gpt-oss";
+    s.edit = [](std::string &name, std::vector<uint64_t> &ne, auto &) {
+        if (name == "blk.0.ffn_up_exps.bias") ne = {32, 3};
+    };
+    expect_load_error("oss-bias", s, {"tensor 'blk.0.ffn_up_exps.bias' has shape [32, 3], expected [32, 4]"});
+}
+
+// The GPU runtime refuses what its layer step lacks, naming each architecture's own features (decisions 0121,
+// 0140); the supported ones pass.
+TEST(ModelLoad, GpuRefusalNamesTheMissingFeaturesOfEachArchitecture) {
+    const auto tiny = [](const std::string &name) {
+        return Model::load((std::filesystem::path(PRESCOPE_SOURCE_DIR) / "tests/data/models" / name / "tiny-f32.gguf")
+                               .string());
+    };
+    const auto refusal = [](const Model &m) {
+        try {
+            prescope::check_gpu_runs(m);
+        } catch (const Error &e) {
+            return std::string(e.what());
+        }
+        return std::string();
+    };
+    const std::string oss = refusal(*tiny("gptoss"));
+    for (const char *part : {"architecture 'gpt-oss'", "attention sinks", "sliding-window attention", "YaRN RoPE",
+                             "the attention output bias", "softmax over the top-k logits", "router and expert biases",
+                             "the clamped SwiGLU (swiglu_oai)", "tiny-f32.gguf", "--gpu-expert-budget"})
+        EXPECT_NE(oss.find(part), std::string::npos) << part << " not in: " << oss;
+    EXPECT_EQ(oss.find("MLA"), std::string::npos) << oss;
+    const std::string v3 = refusal(*tiny("deepseekv3"));
+    for (const char *part : {"architecture 'deepseek2'", "MLA attention", "dense layers", "sigmoid routing",
+                             "group-limited routing", "ungated shared experts", "YaRN RoPE"})
+        EXPECT_NE(v3.find(part), std::string::npos) << part << " not in: " << v3;
+    EXPECT_EQ(v3.find("sinks"), std::string::npos) << v3;
+    EXPECT_EQ(refusal(*tiny("deepseekv2lite")).find("YaRN"), std::string::npos);
+    for (const std::string &m : {oss, v3}) EXPECT_EQ(m.find('\n'), std::string::npos) << m;
+    for (const char *ok : {"qwen3moe", "qwen2moe", "mixtral", "olmoe"}) EXPECT_EQ(refusal(*tiny(ok)), "") << ok;
 }
 
 TEST(ModelLoad, MissingTensor) {

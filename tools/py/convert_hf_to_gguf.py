@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 # Converts an HF Mixture-of-Experts checkpoint (config.json + *.safetensors + tokenizer) into a GGUF file that
 # both llama.cpp and PreScope load. Our own code over the `gguf` package; conventions follow llama.cpp's converter.
-"""HF safetensors -> GGUF for qwen3moe, qwen2moe, llama (Mixtral), olmoe and deepseek2 (DeepSeek-V2/V3).
+"""HF safetensors -> GGUF for qwen3moe, qwen2moe, llama (Mixtral), olmoe, deepseek2 (DeepSeek-V2/V3) and gpt-oss.
 
 Usage:
     python3 tools/py/convert_hf_to_gguf.py HF_DIR --outtype f32|f16|bf16|q8_0 --outfile OUT.gguf [--pre qwen2]
+                                           [--mxfp4-experts]
 
 Conventions (each checked against llama.cpp d32676d77, conversion/{base,llama,qwen,olmo}.py):
 - Experts are stacked into ffn_{gate,up,down}_exps with numpy shape [n_expert, rows, cols], i.e. ggml
@@ -20,6 +21,12 @@ Conventions (each checked against llama.cpp d32676d77, conversion/{base,llama,qw
   kv_lora_rank + rope, value_length kv_lora_rank, per-head sizes in *_mla keys); kv_b_proj split per head into
   attn_k_b (transposed: ne {nope, kv_lora_rank, n_head}) and attn_v_b; the selection bias as exp_probs_b.bias;
   no q/k permutation (HF rotates interleaved pairs already, ggml NORM RoPE).
+- gpt-oss (conversion/gpt_oss.py GptOssModel): the fused experts gate_up_proj [E, D, 2F] (and its bias) are
+  de-interleaved, gate = [..., ::2], up = [..., 1::2] (HF GptOssExperts._apply_gate), and transposed to ggml's
+  [E, F, D]; down_proj [E, F, D] to [E, D, F]; sinks become attn_sinks.weight, the FFN norm post_attention_norm.
+  A checkpoint whose experts are MXFP4 blocks/scales (the released ones) is repacked to ggml MXFP4 as llama.cpp
+  does; --mxfp4-experts quantizes float experts to MXFP4 (gguf.quants). Only the settings llama.cpp hard-codes are
+  accepted: layer_types alternating sliding/full from layer 0, swiglu_alpha 1.702, swiglu_limit 7.
 Errors are one line naming the file and the tensor or key, and exit with status 1.
 """
 from __future__ import annotations
@@ -41,6 +48,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gguf_vocab  # noqa: E402
 
 log = logging.getLogger("convert_hf_to_gguf")
+
+# What llama.cpp's gpt-oss graph hard-codes (LLM_FFN_SWIGLU_OAI_MOE, set_swa_pattern(2)).
+GPT_OSS_SWIGLU = {"swiglu_alpha": 1.702, "swiglu_limit": 7.0}
 
 OUTTYPES = {
     "f32": (gguf.GGMLQuantizationType.F32, gguf.LlamaFileType.ALL_F32),
@@ -93,6 +103,9 @@ ARCHS: dict[str, ArchSpec] = {
     "DeepseekV2ForCausalLM": ArchSpec("deepseek2", "llama-bpe", "mlp", ("gate_proj", "up_proj", "down_proj"),
                                       permute_qk=False, qk_norm=None, shared_expert=True, attn_bias=False,
                                       output_required=False),
+    "GptOssForCausalLM": ArchSpec("gpt-oss", "gpt-4o", "mlp", ("gate_proj", "up_proj", "down_proj"),
+                                  permute_qk=False, qk_norm=None, shared_expert=False, attn_bias=True,
+                                  output_required=True, gating="softmax_weight"),
 }
 
 
@@ -117,6 +130,38 @@ class HParams:
     norm_topk_prob: bool
     tied: bool
     mla: MlaParams | None = None
+    gpt_oss: GptOssParams | None = None
+
+
+@dataclass
+class GptOssParams:
+    """gpt-oss config values: the sliding window and YaRN (rope_parameters of rope_type "yarn", or None)."""
+    sliding_window: int
+    yarn: dict[str, Any] | None
+
+
+def read_gpt_oss(config: dict[str, Any], path: Path) -> GptOssParams:
+    """The gpt-oss config.json values; refuses what llama.cpp's gpt-oss graph does not read but hard-codes."""
+    n_layer = _cfg(config, path, "num_hidden_layers")
+    window = _cfg(config, path, "sliding_window")
+    expected = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layer)]
+    if config.get("layer_types", expected) != expected:
+        raise ConvertError(f"{path}: layer_types {config['layer_types']} are not supported (expected sliding "
+                           f"attention on the even layers, full on the odd ones, as llama.cpp's gpt-oss assumes)")
+    for key, want in GPT_OSS_SWIGLU.items():
+        if _cfg(config, path, key, default=want, kind=float) != want:
+            raise ConvertError(f"{path}: {key} {config[key]} is not supported (llama.cpp's gpt-oss uses {want})")
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    yarn = None
+    if rope.get("rope_type", rope.get("type")) == "yarn":
+        # llama.cpp multiplies an explicit attention_factor by its own mscale where HF replaces it, and has no
+        # mscale keys for gpt-oss; HF's `truncate` has no GGUF key either (llama.cpp always truncates, decision 0140).
+        if (rope.get("factor") is None or rope.get("original_max_position_embeddings") is None
+                or any(rope.get(k) is not None for k in ("attention_factor", "mscale", "mscale_all_dim"))):
+            raise ConvertError(f"{path}: YaRN rope parameters {rope} are not supported (expected factor and "
+                               f"original_max_position_embeddings, no attention_factor / mscale)")
+        yarn = rope
+    return GptOssParams(sliding_window=window, yarn=yarn)
 
 
 @dataclass
@@ -182,9 +227,9 @@ def read_hparams(config: dict[str, Any], path: Path, hf_arch: str) -> HParams:
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     spec = ARCHS[hf_arch]
-    if rope_type not in ("default", None) and not (rope_type == "yarn" and spec.gguf_arch == "deepseek2"):
+    if rope_type not in ("default", None) and not (rope_type == "yarn" and spec.gguf_arch in ("deepseek2", "gpt-oss")):
         raise ConvertError(f"{path}: rope type {rope_type!r} is not supported (only unscaled RoPE; YaRN for "
-                           f"DeepSeek)")
+                           f"DeepSeek and gpt-oss)")
     rope_theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
     if config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1:
         raise ConvertError(f"{path}: dense layers (mlp_only_layers / decoder_sparse_step) are not supported")
@@ -193,7 +238,10 @@ def read_hparams(config: dict[str, Any], path: Path, hf_arch: str) -> HParams:
     n_embd = _cfg(config, path, "hidden_size")
     n_head = _cfg(config, path, "num_attention_heads")
     head_dim = config.get("head_dim")
-    norm_topk = True if hf_arch == "MixtralForCausalLM" else _cfg(config, path, "norm_topk_prob", kind=bool)
+    gpt_oss = spec.gguf_arch == "gpt-oss"
+    # Mixtral always renormalises; gpt-oss's softmax over the chosen logits sums to 1 by itself.
+    norm_topk = (True if hf_arch == "MixtralForCausalLM" else False if gpt_oss
+                 else _cfg(config, path, "norm_topk_prob", kind=bool))
     hp = HParams(
         n_vocab=_cfg(config, path, "vocab_size"),
         n_embd=n_embd,
@@ -204,7 +252,8 @@ def read_hparams(config: dict[str, Any], path: Path, hf_arch: str) -> HParams:
         head_dim_explicit=isinstance(head_dim, int),
         n_ctx=_cfg(config, path, "max_position_embeddings"),
         n_ff=_cfg(config, path, "intermediate_size"),
-        n_ff_exp=_cfg(config, path, "moe_intermediate_size", default=None),
+        # gpt-oss's intermediate_size is the experts' (llama.cpp writes it as both ff lengths).
+        n_ff_exp=_cfg(config, path, "intermediate_size" if gpt_oss else "moe_intermediate_size", default=None),
         n_ff_shexp=_cfg(config, path, "shared_expert_intermediate_size", default=None),
         n_expert=_cfg(config, path, "num_local_experts", "num_experts", "n_routed_experts"),
         n_expert_used=_cfg(config, path, "num_experts_per_tok"),
@@ -213,6 +262,7 @@ def read_hparams(config: dict[str, Any], path: Path, hf_arch: str) -> HParams:
         norm_topk_prob=norm_topk,
         tied=bool(config.get("tie_word_embeddings", False)),
         mla=read_mla(config, path, hf_arch) if spec.gguf_arch == "deepseek2" else None,
+        gpt_oss=read_gpt_oss(config, path) if gpt_oss else None,
     )
     if hp.n_head % hp.n_head_kv != 0:
         raise ConvertError(f"{path}: num_attention_heads {hp.n_head} is not a multiple of "
@@ -255,6 +305,16 @@ class TensorSource:
 
     def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         """The tensor as float32, checked to have `shape`; errors name the file and tensor."""
+        return self._tensor(name, shape).float().numpy()
+
+    def get_u8(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        """A uint8 tensor (MXFP4 blocks or scales) as stored, checked as get() checks; other dtypes are errors."""
+        t = self._tensor(name, shape)
+        if str(t.dtype) != "torch.uint8":
+            raise ConvertError(f"{self._where[name]}: tensor {name!r} has dtype {t.dtype}, expected uint8")
+        return t.numpy()
+
+    def _tensor(self, name: str, shape: tuple[int, ...]):
         if name not in self._where:
             raise ConvertError(f"{next(iter(self._handles))}: missing tensor {name!r}")
         t = self._handles[self._where[name]].get_tensor(name)
@@ -262,7 +322,14 @@ class TensorSource:
             raise ConvertError(f"{self._where[name]}: tensor {name!r} has shape {tuple(t.shape)}, "
                                f"expected {shape}")
         self.used.add(name)
-        return t.float().numpy()
+        return t
+
+
+@dataclass(frozen=True)
+class RawTensor:
+    """Bytes already in a GGML type (MXFP4 experts repacked from the checkpoint's blocks), written as they are."""
+    data: np.ndarray  # uint8, rows of whole blocks
+    qtype: gguf.GGMLQuantizationType
 
 
 def permute_for_norm_rope(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -293,6 +360,45 @@ def _expert_stack(src: TensorSource, hp: HParams, layer: int, spec: ArchSpec, n_
                            ("down", d_name, (hp.n_embd, n_ff_exp))):
         out[key] = np.stack([src.get(f"{pre}.{e}.{hf}.weight", shape) for e in range(hp.n_expert)])
     return out
+
+
+def repack_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """HF/OpenAI MXFP4 (blocks [..., G, 16] uint8, element 2j in the low nibble of byte j and 2j+1 in the high one;
+    scales [..., G] uint8, value = FP4 x 2^(scale - 127): transformers.integrations.mxfp4) to ggml's block_mxfp4
+    rows [..., G * 17]: the scale byte, then byte j holding element j (low nibble) and j + 16 (high nibble).
+    Same bytes as llama.cpp GptOssModel.repack_mxfp4 (ggml's e8m0 half scale with doubled E2M1 values)."""
+    codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(*blocks.shape[:-1], 32)
+    qs = codes[..., :16] | (codes[..., 16:] << 4)
+    return np.concatenate([scales[..., None], qs], axis=-1).reshape(*blocks.shape[:-2], -1)
+
+
+def gpt_oss_experts(src: TensorSource, hp: HParams, i: int) -> Iterator[tuple[str, np.ndarray | RawTensor]]:
+    """blk.i's expert tensors (llama.cpp GptOssModel): fused gate_up de-interleaved (gate = even rows of the
+    2F outputs, up = odd), float experts transposed to ggml's [E, rows, cols], MXFP4 blocks repacked."""
+    pre, b = f"model.layers.{i}.mlp.experts", f"blk.{i}"
+    E, D, F = hp.n_expert, hp.n_embd, hp.n_ff_exp
+    gu_b = src.get(f"{pre}.gate_up_proj_bias", (E, 2 * F))
+    if src.has(f"{pre}.gate_up_proj_blocks"):
+        if D % 32 or F % 32:
+            raise ConvertError(f"{src.file_of(pre + '.gate_up_proj_blocks')}: MXFP4 experts need hidden_size and "
+                               f"intermediate_size divisible by 32, got {D} and {F}")
+        gu = src.get_u8(f"{pre}.gate_up_proj_blocks", (E, 2 * F, D // 32, 16))
+        gu_s = src.get_u8(f"{pre}.gate_up_proj_scales", (E, 2 * F, D // 32))
+        dn = src.get_u8(f"{pre}.down_proj_blocks", (E, D, F // 32, 16))
+        dn_s = src.get_u8(f"{pre}.down_proj_scales", (E, D, F // 32))
+        mx = gguf.GGMLQuantizationType.MXFP4
+        gate, up = RawTensor(repack_mxfp4(gu[:, ::2], gu_s[:, ::2]), mx), RawTensor(repack_mxfp4(gu[:, 1::2], gu_s[:, 1::2]), mx)
+        down = RawTensor(repack_mxfp4(dn, dn_s), mx)
+    else:
+        gu = src.get(f"{pre}.gate_up_proj", (E, D, 2 * F)).transpose(0, 2, 1)
+        gate, up = np.ascontiguousarray(gu[:, ::2]), np.ascontiguousarray(gu[:, 1::2])
+        down = np.ascontiguousarray(src.get(f"{pre}.down_proj", (E, F, D)).transpose(0, 2, 1))
+    yield f"{b}.ffn_gate_exps.weight", gate
+    yield f"{b}.ffn_gate_exps.bias", np.ascontiguousarray(gu_b[:, ::2])
+    yield f"{b}.ffn_up_exps.weight", up
+    yield f"{b}.ffn_up_exps.bias", np.ascontiguousarray(gu_b[:, 1::2])
+    yield f"{b}.ffn_down_exps.weight", down
+    yield f"{b}.ffn_down_exps.bias", src.get(f"{pre}.down_proj_bias", (E, D))
 
 
 def deepseek_layer(src: TensorSource, hp: HParams, spec: ArchSpec, i: int) -> Iterator[tuple[str, np.ndarray]]:
@@ -335,8 +441,9 @@ def deepseek_layer(src: TensorSource, hp: HParams, spec: ArchSpec, i: int) -> It
         yield f"{b}.ffn_down_shexp.weight", src.get(f"{p}.mlp.shared_experts.down_proj.weight", (hp.n_embd, f))
 
 
-def gguf_tensors(src: TensorSource, hp: HParams, spec: ArchSpec) -> Iterator[tuple[str, np.ndarray]]:
-    """(GGUF name, float32 array in HF [rows, cols] order) for every tensor of the model, in file order."""
+def gguf_tensors(src: TensorSource, hp: HParams, spec: ArchSpec) -> Iterator[tuple[str, np.ndarray | RawTensor]]:
+    """(GGUF name, float32 array in HF [rows, cols] order, or RawTensor) for every tensor of the model, in file
+    order."""
     q_dim = hp.n_head * hp.head_dim
     kv_dim = hp.n_head_kv * hp.head_dim
     n_ff_exp = hp.n_ff_exp if hp.n_ff_exp is not None else hp.n_ff
@@ -361,6 +468,14 @@ def gguf_tensors(src: TensorSource, hp: HParams, spec: ArchSpec) -> Iterator[tup
             yield f"{b}.attn_k.bias", src.get(f"{p}.self_attn.k_proj.bias", (kv_dim,))
             yield f"{b}.attn_v.bias", src.get(f"{p}.self_attn.v_proj.bias", (kv_dim,))
         yield f"{b}.attn_output.weight", src.get(f"{p}.self_attn.o_proj.weight", (hp.n_embd, q_dim))
+        if hp.gpt_oss is not None:
+            yield f"{b}.attn_output.bias", src.get(f"{p}.self_attn.o_proj.bias", (hp.n_embd,))
+            yield f"{b}.attn_sinks.weight", src.get(f"{p}.self_attn.sinks", (hp.n_head,))
+            yield f"{b}.post_attention_norm.weight", src.get(f"{p}.post_attention_layernorm.weight", (hp.n_embd,))
+            yield f"{b}.ffn_gate_inp.weight", src.get(f"{p}.mlp.router.weight", (hp.n_expert, hp.n_embd))
+            yield f"{b}.ffn_gate_inp.bias", src.get(f"{p}.mlp.router.bias", (hp.n_expert,))
+            yield from gpt_oss_experts(src, hp, i)
+            continue
         if spec.qk_norm == "head":
             yield f"{b}.attn_q_norm.weight", src.get(f"{p}.self_attn.q_norm.weight", (hp.head_dim,))
             yield f"{b}.attn_k_norm.weight", src.get(f"{p}.self_attn.k_norm.weight", (hp.head_dim,))
@@ -391,18 +506,22 @@ def gguf_tensors(src: TensorSource, hp: HParams, spec: ArchSpec) -> Iterator[tup
         yield "output.weight", src.get("model.embed_tokens.weight", (hp.n_vocab, hp.n_embd))
 
 
-def storage_type(name: str, data: np.ndarray, outtype: gguf.GGMLQuantizationType) -> gguf.GGMLQuantizationType:
-    """The GGML type a tensor is stored in (llama.cpp ModelBase.prepare_tensors' rules for these archs)."""
+def storage_type(name: str, data: np.ndarray, outtype: gguf.GGMLQuantizationType,
+                 mxfp4_experts: bool = False) -> gguf.GGMLQuantizationType:
+    """The GGML type a tensor is stored in (llama.cpp ModelBase.prepare_tensors' rules for these archs); with
+    mxfp4_experts the routed experts' matrices are MXFP4 whatever the outtype."""
     if data.ndim <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight"):
         return gguf.GGMLQuantizationType.F32
     if re.search(r"\.ffn_gate_inp(_shexp)?\.weight$", name):
         return gguf.GGMLQuantizationType.F32
+    if mxfp4_experts and re.search(r"\.ffn_(gate|up|down)_exps\.weight$", name):
+        return gguf.GGMLQuantizationType.MXFP4
     return outtype
 
 
 def encode(name: str, data: np.ndarray, qtype: gguf.GGMLQuantizationType
            ) -> tuple[np.ndarray, gguf.GGMLQuantizationType]:
-    """The bytes (or typed array) to store; Q8_0 rows that are not whole blocks fall back to F16."""
+    """The bytes (or typed array) to store; Q8_0 / MXFP4 rows that are not whole blocks fall back to F16."""
     try:
         return gguf.quants.quantize(data, qtype), qtype
     except gguf.QuantError as e:
@@ -434,9 +553,30 @@ def write_hparams(w: gguf.GGUFWriter, hp: HParams, spec: ArchSpec, ftype: gguf.L
     if spec.gguf_arch == "llama":
         w.add_vocab_size(hp.n_vocab)
         w.add_rope_dimension_count(hp.head_dim)
-    if hp.mla is None or hp.norm_topk_prob:  # llama.cpp's DeepseekV2Model writes the key only when true
+    if hp.gpt_oss is not None:
+        write_gpt_oss_hparams(w, hp)
+    elif hp.mla is None or hp.norm_topk_prob:  # llama.cpp's DeepseekV2Model writes the key only when true
         w.add_expert_weights_norm(hp.norm_topk_prob)
     w.add_file_type(ftype)
+
+
+def write_gpt_oss_hparams(w: gguf.GGUFWriter, hp: HParams) -> None:
+    """gpt-oss keys beyond the common ones, as llama.cpp's TextModel (YaRN) and GptOssModel write them."""
+    g = hp.gpt_oss
+    if g.yarn is not None:
+        write_yarn(w, g.yarn)
+    w.add_sliding_window(g.sliding_window)
+
+
+def write_yarn(w: gguf.GGUFWriter, yarn: dict[str, Any]) -> None:
+    """rope.scaling.* of rope_type yarn as llama.cpp's TextModel.set_gguf_parameters writes them."""
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(float(yarn["factor"]))
+    w.add_rope_scaling_orig_ctx_len(int(yarn["original_max_position_embeddings"]))
+    if yarn.get("beta_fast") is not None:
+        w.add_rope_scaling_yarn_beta_fast(float(yarn["beta_fast"]))
+    if yarn.get("beta_slow") is not None:
+        w.add_rope_scaling_yarn_beta_slow(float(yarn["beta_slow"]))
 
 
 def write_mla_hparams(w: gguf.GGUFWriter, hp: HParams, spec: ArchSpec) -> None:
@@ -455,13 +595,7 @@ def write_mla_hparams(w: gguf.GGUFWriter, hp: HParams, spec: ArchSpec) -> None:
     w.add_expert_weights_scale(m.scale)
     w.add_rope_dimension_count(m.rope)
     if m.yarn is not None:  # llama.cpp TextModel (type, factor, length, betas) + DeepseekV2Model (log multiplier)
-        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-        w.add_rope_scaling_factor(float(m.yarn["factor"]))
-        w.add_rope_scaling_orig_ctx_len(int(m.yarn["original_max_position_embeddings"]))
-        if m.yarn.get("beta_fast") is not None:
-            w.add_rope_scaling_yarn_beta_fast(float(m.yarn["beta_fast"]))
-        if m.yarn.get("beta_slow") is not None:
-            w.add_rope_scaling_yarn_beta_slow(float(m.yarn["beta_slow"]))
+        write_yarn(w, m.yarn)
         w.add_rope_scaling_yarn_log_mul(0.1 * float(m.yarn["mscale_all_dim"]))
     if m.n_group is not None:
         w.add_expert_group_count(m.n_group)
@@ -472,8 +606,9 @@ def write_mla_hparams(w: gguf.GGUFWriter, hp: HParams, spec: ArchSpec) -> None:
 
 
 def convert(hf_dir: Path, outfile: Path, outtype: str, pre: str | None = None, name: str | None = None,
-            alignment: int = 32) -> None:
-    """Converts one checkpoint directory; raises ConvertError (one line) on any problem."""
+            alignment: int = 32, mxfp4_experts: bool = False) -> None:
+    """Converts one checkpoint directory; raises ConvertError (one line) on any problem. mxfp4_experts: store
+    the routed experts' float matrices as MXFP4 (checkpoints with MXFP4 experts keep them MXFP4 regardless)."""
     config_path = hf_dir / "config.json"
     if not config_path.is_file():
         raise ConvertError(f"{config_path}: not found")
@@ -506,9 +641,12 @@ def convert(hf_dir: Path, outfile: Path, outtype: str, pre: str | None = None, n
         raise ConvertError(str(e)) from e
 
     for gname, data in gguf_tensors(src, hp, spec):
-        stored, t = encode(gname, data, storage_type(gname, data, qtype))
+        if isinstance(data, RawTensor):
+            stored, t = data.data, data.qtype
+        else:
+            stored, t = encode(gname, data, storage_type(gname, data, qtype, mxfp4_experts))
         w.add_tensor(gname, stored, raw_dtype=t)
-        log.info("%-28s %-14s -> %s", gname, "x".join(map(str, data.shape)), t.name)
+        log.info("%-28s %-14s -> %s", gname, "x".join(map(str, stored.shape)), t.name)
     unused = sorted(n for n in src.names() - src.used if not n.endswith("rotary_emb.inv_freq"))
     if unused:
         raise ConvertError(f"{src.file_of(unused[0])}: tensor {unused[0]!r} is not used by {spec.gguf_arch} "
@@ -529,6 +667,8 @@ def main(argv: list[str] | None = None) -> int:
                                   "tokenizer.json's regex, else the architecture's default")
     ap.add_argument("--name", help="general.name (default: the directory name)")
     ap.add_argument("--alignment", type=int, default=32, help="general.alignment in bytes (power of two)")
+    ap.add_argument("--mxfp4-experts", action="store_true",
+                    help="store the routed experts' matrices as MXFP4 (as the released gpt-oss checkpoints are)")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
@@ -536,7 +676,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --alignment {args.alignment} is not a power of two", file=sys.stderr)
         return 1
     try:
-        convert(args.hf_dir, args.outfile, args.outtype, args.pre, args.name, args.alignment)
+        convert(args.hf_dir, args.outfile, args.outtype, args.pre, args.name, args.alignment, args.mxfp4_experts)
     except ConvertError as e:
         args.outfile.unlink(missing_ok=True)
         print(f"error: {e}", file=sys.stderr)

@@ -48,6 +48,8 @@ def gguf_to_hf_state(gguf_path: Path, hf_dir: Path) -> dict[str, np.ndarray]:
 
     if hp.mla is not None:
         return _deepseek_state(g, hp, gguf_path)
+    if hp.gpt_oss is not None:
+        return _gpt_oss_state(g, hp, gguf_path)
     out: dict[str, np.ndarray] = {"model.embed_tokens.weight": g.pop("token_embd.weight"),
                                   "model.norm.weight": g.pop("output_norm.weight")}
     if "output.weight" in g:
@@ -117,6 +119,36 @@ def _deepseek_state(g: dict[str, np.ndarray], hp: conv.HParams, gguf_path: Path)
         out[p + "self_attn.kv_b_proj.weight"] = np.ascontiguousarray(kv_b.reshape(-1, m.kv_lora_rank))
         if i >= m.n_dense:
             _unstack_experts(g, out, b, f"{p}mlp.experts", ("gate_proj", "up_proj", "down_proj"), hp.n_expert)
+    if g:
+        raise ValueError(f"{gguf_path}: tensors with no HF counterpart: {sorted(g)}")
+    return out
+
+
+def _gpt_oss_state(g: dict[str, np.ndarray], hp: conv.HParams, gguf_path: Path) -> dict[str, np.ndarray]:
+    """gguf_to_hf_state for gpt-oss: the fused gate_up_proj [E, D, 2F] (and bias) re-interleaved from gate (even
+    columns) and up (odd), down_proj transposed back to [E, F, D] (HF GptOssExperts' layout)."""
+    out: dict[str, np.ndarray] = {"model.embed_tokens.weight": g.pop("token_embd.weight"),
+                                  "model.norm.weight": g.pop("output_norm.weight"),
+                                  "lm_head.weight": g.pop("output.weight")}
+    simple = {"attn_norm.weight": "input_layernorm.weight", "post_attention_norm.weight": "post_attention_layernorm.weight",
+              "attn_sinks.weight": "self_attn.sinks", "ffn_gate_inp.weight": "mlp.router.weight",
+              "ffn_gate_inp.bias": "mlp.router.bias"}
+    for proj, gk in (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"), ("o_proj", "attn_output")):
+        simple[f"{gk}.weight"], simple[f"{gk}.bias"] = f"self_attn.{proj}.weight", f"self_attn.{proj}.bias"
+    for i in range(hp.n_layer):
+        b, p = f"blk.{i}.", f"model.layers.{i}."
+        for gk, hk in simple.items():
+            out[p + hk] = g.pop(b + gk)
+        gate, up = g.pop(b + "ffn_gate_exps.weight"), g.pop(b + "ffn_up_exps.weight")  # [E, F, D] each
+        gu = np.empty((gate.shape[0], 2 * gate.shape[1], gate.shape[2]), np.float32)
+        gu[:, 0::2], gu[:, 1::2] = gate, up
+        out[p + "mlp.experts.gate_up_proj"] = np.ascontiguousarray(gu.transpose(0, 2, 1))
+        gate_b, up_b = g.pop(b + "ffn_gate_exps.bias"), g.pop(b + "ffn_up_exps.bias")  # [E, F] each
+        gu_b = np.empty((gate_b.shape[0], 2 * gate_b.shape[1]), np.float32)
+        gu_b[:, 0::2], gu_b[:, 1::2] = gate_b, up_b
+        out[p + "mlp.experts.gate_up_proj_bias"] = gu_b
+        out[p + "mlp.experts.down_proj"] = np.ascontiguousarray(g.pop(b + "ffn_down_exps.weight").transpose(0, 2, 1))
+        out[p + "mlp.experts.down_proj_bias"] = g.pop(b + "ffn_down_exps.bias")
     if g:
         raise ValueError(f"{gguf_path}: tensors with no HF counterpart: {sorted(g)}")
     return out

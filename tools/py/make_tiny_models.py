@@ -1,15 +1,16 @@
 #!/usr/bin/env python3
-# Writes the tiny random-weight test models (qwen3moe, qwen2moe, mixtral, olmoe) as HF checkpoints, converts them
-# to GGUF F32 and Q8_0 with our converter, and stores HF transformers reference logits and greedy tokens for each.
+# Writes the tiny random-weight test models (qwen3moe, qwen2moe, mixtral, olmoe, deepseekv3, deepseekv2lite, gptoss)
+# as HF checkpoints, converts them to GGUF F32 and a quantized variant (Q8_0; gptoss: Q8_0 with MXFP4 experts) with
+# our converter, and stores HF transformers reference logits and greedy tokens for each.
 """Tiny MoE test models and their HF references (tests/data/models/<arch>/).
 
     python3 tools/py/make_tiny_models.py [--arch qwen3moe ...] [--out tests/data/models] [--work /tmp/prescope-tiny]
 
 Per arch, for the first seed whose references keep clear of ties (see MIN_RELATIVE_MARGIN):
-    tiny-f32.gguf, tiny-q8_0.gguf                    converted from the same safetensors
+    tiny-f32.gguf, tiny-q8_0.gguf (gptoss: tiny-mxfp4.gguf)  converted from the same safetensors
     tiny-<type>.ref.json                              prompt ids, 32 greedy ids, shapes, margins, provenance
     tiny-<type>.ref.f32                               raw little-endian float32 logits [n_pos][n_vocab]
-The Q8_0 reference is HF run on the Q8_0 file's weights dequantized with gguf.quants. The HF checkpoints
+The quantized reference is HF run on that file's weights dequantized with gguf.quants. The HF checkpoints
 (safetensors, tokenizer) stay in --work; they are regenerated bit for bit by rerunning this script.
 Also writes tests/data/text/wikipedia-20k.txt, the perplexity text. Deterministic: fixed seeds, CPU, float32.
 """
@@ -55,6 +56,11 @@ MIN_DISTINCT_GREEDY = 12
 QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 LLAMA3_REGEX = QWEN2_REGEX.replace(r"|\p{N}|", r"|\p{N}{1,3}|")
+# tiktoken's O200K_PAT_STR as openai/gpt-oss's tokenizer.json splits with it (pre-tokenizer "gpt-4o").
+O200K_REGEX = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
+               r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
+               r"\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+REGEX = {"qwen2": QWEN2_REGEX, "llama-bpe": LLAMA3_REGEX, "gpt-4o": O200K_REGEX}
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
           "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
           "{% endif %}")
@@ -68,9 +74,14 @@ class TinySpec:
     """One tiny model: HF class, config values, tokenizer kind and the special token strings."""
     arch: str
     hf_class: str
-    tokenizer: str  # "qwen2" | "llama-bpe" (byte-level BPE) | "spm" (SentencePiece)
+    tokenizer: str  # "qwen2" | "llama-bpe" | "gpt-4o" (byte-level BPE) | "spm" (SentencePiece)
     config: dict = field(default_factory=dict)
     embed_std: float = 1.0  # smaller for a tied head, else each token's own embedding dominates its logits
+    # The quantized variants beside F32: (file stem, converter outtype, MXFP4 experts).
+    variants: tuple[tuple[str, str, bool], ...] = (("q8_0", "q8_0", False),)
+    # The fused expert parameters are [E, in, out] (GptOssExperts), and their gate activations should reach the
+    # clamp (swiglu_limit) often enough for the references to depend on it.
+    experts_in_out: bool = False
 
 
 COMMON = dict(vocab_size=N_VOCAB, hidden_size=64, num_attention_heads=4, head_dim=16, max_position_embeddings=2048,
@@ -109,7 +120,22 @@ TINY["deepseekv3"] = TinySpec("deepseekv3", "DeepseekV3ForCausalLM", "llama-bpe"
 TINY["deepseekv2lite"] = TinySpec("deepseekv2lite", "DeepseekV2ForCausalLM", "llama-bpe", dict(
     DEEPSEEK, num_hidden_layers=3, q_lora_rank=None, n_shared_experts=2, routed_scaling_factor=1.0,
     num_experts_per_tok=3, norm_topk_prob=False, topk_method="greedy"))
-SPECIALS = {"qwen2": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], "llama-bpe": ["<|endoftext|>", "<|padding|>"]}
+# gpt-oss: tiny dims, with the real model's sliding/full alternation, attention bias, top-4 routing, swiglu and
+# YaRN values (factor 32, original length 4096, rope_theta 150000) but `truncate` true: HF's default for gpt-oss is
+# false, which no GGUF key carries and llama.cpp does not do (decision 0140). sliding_window 5 < the 55 positions of
+# the references, so the window matters in layers 0 and 2.
+TINY["gptoss"] = TinySpec("gptoss", "GptOssForCausalLM", "gpt-4o", dict(
+    vocab_size=N_VOCAB, hidden_size=64, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, num_hidden_layers=4, num_local_experts=8, num_experts_per_tok=4, sliding_window=5,
+    max_position_embeddings=131072, rms_norm_eps=1e-5, swiglu_limit=7.0, attention_bias=True,
+    tie_word_embeddings=False,
+    rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0, beta_slow=1.0,
+                         truncate=True, original_max_position_embeddings=4096)),
+    variants=(("mxfp4", "q8_0", True),), experts_in_out=True)
+SPECIALS = {"qwen2": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], "llama-bpe": ["<|endoftext|>", "<|padding|>"],
+            # o200k_harmony's special tokens that the harmony chat format uses.
+            "gpt-4o": ["<|endoftext|>", "<|startoftext|>", "<|return|>", "<|constrain|>", "<|channel|>", "<|start|>",
+                       "<|end|>", "<|message|>", "<|call|>"]}
 
 
 def read_text(name: str, offset: int = 0, size: int | None = None) -> str:
@@ -127,7 +153,7 @@ def tokenizer_corpus() -> list[str]:
 
 
 def train_bpe(kind: str, out_dir: Path) -> dict:
-    """Byte-level BPE with the Qwen2 or Llama-3 pre-tokenizer regex (HF tokenizers), N_VOCAB ids in all, special
+    """Byte-level BPE with the Qwen2, Llama-3 or o200k pre-tokenizer regex (HF tokenizers), N_VOCAB ids in all, special
     tokens last (as in Qwen). Writes tokenizer.json + tokenizer_config.json; returns special-token ids for config."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -136,7 +162,7 @@ def train_bpe(kind: str, out_dir: Path) -> dict:
     # llama.cpp's llama-bpe pre-tokenizer sets ignore_merges (whole words found in the vocab win), as Llama 3's
     # tokenizer.json does; qwen2 does not.
     tok = Tokenizer(models.BPE(ignore_merges=(kind == "llama-bpe")))
-    regex = QWEN2_REGEX if kind == "qwen2" else LLAMA3_REGEX
+    regex = REGEX[kind]
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
         pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)])
@@ -146,8 +172,8 @@ def train_bpe(kind: str, out_dir: Path) -> dict:
     tok.train_from_iterator(tokenizer_corpus(), trainer)
     tok.add_special_tokens(specials)
     assert tok.get_vocab_size() == N_VOCAB, tok.get_vocab_size()
-    eos = specials[0]
-    pad = specials[0] if kind == "qwen2" else specials[1]
+    eos = "<|return|>" if kind == "gpt-4o" else specials[0]  # gpt-oss ends a reply with <|return|>
+    pad = specials[1] if kind == "llama-bpe" else specials[0]
     hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, pad_token=pad)
     if kind == "qwen2":
         hf_tok.chat_template = CHATML
@@ -213,27 +239,35 @@ def pick_prompt(tok: RefTokenizer) -> tuple[str, list[int]]:
     raise RuntimeError("no prompt of exactly N_PROMPT tokens found")
 
 
-def spread_init(model: torch.nn.Module, seed: int, embed_std: float) -> None:
+def spread_init(model: torch.nn.Module, seed: int, embed_std: float, experts_in_out: bool = False) -> None:
     """Re-initialises every parameter so that logits and router logits are O(1)-spread rather than HF's
     std-0.02 near-ties: embeddings N(0, embed_std^2); routers N(0, (2/sqrt(fan_in))^2); the output head
     N(0, 0.5^2) (logit std ~4 after the final RMSNorm); other matrices N(0, 1/fan_in); norm weights 1 + N(0, 0.2^2);
-    biases N(0, 0.2^2). fan_in is the last dimension (nn.Linear and HF's fused expert layouts alike)."""
+    biases and attention sinks N(0, 0.2^2) and N(0, 1). fan_in is the last dimension (nn.Linear and HF's fused
+    expert layouts alike), the middle one with experts_in_out, whose fused gate_up then gets N(0, (4/sqrt(fan_in))^2)
+    so that about one gate activation in ten passes gpt-oss's clamp at 7."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):
             n = torch.randn(p.shape, generator=g, dtype=torch.float32)
+            fused = experts_in_out and name.endswith(("experts.gate_up_proj", "experts.down_proj"))
+            fan_in = p.shape[-2] if fused else p.shape[-1]
             if "embed_tokens" in name:
                 p.copy_(embed_std * n)
             elif "norm" in name:
                 p.copy_(1.0 + 0.2 * n)
-            elif name.endswith(".bias"):
+            elif name.endswith((".bias", "_bias")):
                 p.copy_(0.2 * n)
+            elif name.endswith(".sinks"):
+                p.copy_(n)
             elif name.endswith("lm_head.weight"):
                 p.copy_(0.5 * n)
-            elif re.search(r"\.(gate|shared_expert_gate)\.weight$", name):  # routers [n_expert|1, n_embd]
-                p.copy_(2.0 * n / p.shape[-1] ** 0.5)
+            elif re.search(r"\.(gate|shared_expert_gate|router)\.weight$", name):  # routers [n_expert|1, n_embd]
+                p.copy_(2.0 * n / fan_in ** 0.5)
+            elif fused and name.endswith("gate_up_proj"):
+                p.copy_(4.0 * n / fan_in ** 0.5)
             else:
-                p.copy_(n / p.shape[-1] ** 0.5)
+                p.copy_(n / fan_in ** 0.5)
         # DeepSeek-V3's selection bias is a buffer: small and positive, so that it shifts choices only sometimes.
         for name, buf in sorted(model.named_buffers()):
             if name.endswith("e_score_correction_bias"):
@@ -251,7 +285,7 @@ def make_hf_model(spec: TinySpec, hf_dir: Path, special_ids: dict, seed: int) ->
     model = cls(cfg)
     if cfg.tie_word_embeddings:
         model.tie_weights()
-    spread_init(model, seed, spec.embed_std)
+    spread_init(model, seed, spec.embed_std, spec.experts_in_out)
     for f in hf_dir.glob("*.safetensors"):
         f.unlink()
     model.save_pretrained(str(hf_dir))
@@ -334,12 +368,12 @@ def build_arch(spec: TinySpec, out_root: Path, work: Path, command: str) -> None
         make_hf_model(spec, work_arch, special_ids, seed)
         refs = {}
         reason = None
-        for outtype in ("f32", "q8_0"):
-            path = tmp / f"tiny-{outtype}.gguf"
+        for stem, outtype, mxfp4 in (("f32", "f32", False),) + spec.variants:
+            path = tmp / f"tiny-{stem}.gguf"
             conv.convert(work_arch, path, outtype, pre=None if spec.tokenizer == "spm" else spec.tokenizer,
-                         name=f"prescope-tiny-{spec.arch}")
+                         name=f"prescope-tiny-{spec.arch}", mxfp4_experts=mxfp4)
             state = hr.gguf_to_hf_state(path, work_arch)
-            if outtype == "f32":
+            if stem == "f32":
                 from safetensors.numpy import load_file
                 orig = load_file(str(work_arch / "model.safetensors"))
                 if set(orig) != set(state) or any(not np.array_equal(orig[n], state[n]) for n in orig):
@@ -349,7 +383,7 @@ def build_arch(spec: TinySpec, out_root: Path, work: Path, command: str) -> None
             reason = check_margins(ref, k, tok.special_ids())
             if reason:
                 break
-            refs[outtype] = (path, ref, f64_deviation(model, ref))
+            refs[stem] = (path, ref, f64_deviation(model, ref))
         print(f"{spec.arch}: seed {seed}: {reason or 'ok'}", flush=True)
         if reason is None:
             break
@@ -370,14 +404,14 @@ def build_arch(spec: TinySpec, out_root: Path, work: Path, command: str) -> None
                            "attn_implementation": "eager", "gguf_py": gguf_version()},
         "command": command,
     }
-    for outtype, (path, ref, dev64) in refs.items():
-        final = out_dir / f"tiny-{outtype}.gguf"
+    for stem, (path, ref, dev64) in refs.items():
+        final = out_dir / f"tiny-{stem}.gguf"
         shutil.copy(path, final)
         meta = dict(meta_common)
-        meta["weights"] = ("float32, identical to the HF safetensors" if outtype == "f32" else
-                           "the Q8_0 file's tensors dequantized with gguf.quants and loaded into the HF model")
+        meta["weights"] = ("float32, identical to the HF safetensors" if stem == "f32" else
+                           f"the {stem} file's tensors dequantized with gguf.quants and loaded into the HF model")
         meta["f32_vs_f64_max_abs_logit_diff"] = dev64
-        write_golden(out_dir, f"tiny-{outtype}", final, ref, meta)
+        write_golden(out_dir, f"tiny-{stem}", final, ref, meta)
         print(f"{spec.arch}: wrote {final} ({final.stat().st_size} bytes), greedy {ref.greedy[:8]}..., "
               f"margins {ref.logit_margin():.3f}/{ref.router_margin(k):.3f}, f64 dev {dev64:.2e}", flush=True)
 

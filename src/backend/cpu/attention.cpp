@@ -1,5 +1,6 @@
 // Causal grouped-query attention over an F32 KV cache (HF eager_attention_forward semantics:
-// softmax(q.k * scale) in F32, then the weighted sum of v), threaded over queries and heads.
+// softmax(q.k * scale) in F32, then the weighted sum of v), threaded over queries and heads; optional attention
+// sinks and sliding window (gpt-oss).
 #include "backend/cpu/ops.h"
 
 #include "backend/cpu/kernels.h"
@@ -20,8 +21,9 @@ constexpr int64_t kKvBlock = 64;
 } // namespace
 
 void attention(const float *q, const float *k_cache, const float *v_cache, int64_t n_tok, int64_t pos0,
-               int64_t n_head, int64_t n_head_kv, int64_t head_dim, float scale, float *out) {
-    PRESCOPE_ASSERT(n_head_kv > 0 && n_head % n_head_kv == 0 && pos0 >= 0);
+               int64_t n_head, int64_t n_head_kv, int64_t head_dim, float scale, float *out, const float *sinks,
+               int64_t window) {
+    PRESCOPE_ASSERT(n_head_kv > 0 && n_head % n_head_kv == 0 && pos0 >= 0 && window >= 0);
     if (n_tok == 0) return;
     const KernelTable &k = kernels();
     const int64_t group = n_head / n_head_kv;        // query heads per KV head
@@ -53,14 +55,19 @@ void attention(const float *q, const float *k_cache, const float *v_cache, int64
             const int64_t h0 = kvh * group + task % runs * heads_per_task;
             const int64_t nh = std::min(heads_per_task, (kvh + 1) * group - h0);
             const int64_t n_kv = pos0 + t + 1;  // causal: positions 0 ..= pos0 + t
+            // Sliding window: the last `window` of those positions.
+            const int64_t first = window > 0 ? std::max<int64_t>(0, n_kv - window) : 0;
             float *o = out + (t * n_head + h0) * head_dim;
             std::fill(o, o + nh * head_dim, 0.0f);
-            std::fill(row_max.begin(), row_max.end(), -INFINITY);
-            std::fill(row_sum.begin(), row_sum.end(), 0.0f);
+            // A sink starts each row as a score already seen, with weight exp(0) = 1 and a zero value.
+            for (int64_t i = 0; i < nh; ++i) {
+                row_max[size_t(i)] = sinks ? sinks[h0 + i] : -INFINITY;
+                row_sum[size_t(i)] = sinks ? 1.0f : 0.0f;
+            }
 
             // Online softmax (flash-attention style) over blocks of positions: each block's scores,
             // then its share of P.V, rescaling what came before whenever the running maximum grows.
-            for (int64_t j0 = 0; j0 < n_kv; j0 += kKvBlock) {
+            for (int64_t j0 = first; j0 < n_kv; j0 += kKvBlock) {
                 const int64_t nb = std::min(kKvBlock, n_kv - j0);
                 const float *kb = k_cache + j0 * kv_stride + kvh * head_dim;
                 const float *vb = v_cache + j0 * kv_stride + kvh * head_dim;
@@ -71,7 +78,7 @@ void attention(const float *q, const float *k_cache, const float *v_cache, int64
                     float *s = scores.data() + i * nb;
                     float mx = row_max[size_t(i)];
                     for (int64_t j = 0; j < nb; ++j) mx = std::max(mx, s[j] *= scale);
-                    const float correction = std::exp(row_max[size_t(i)] - mx);  // 0 on the first block
+                    const float correction = std::exp(row_max[size_t(i)] - mx);  // 0 on the first block (no sink)
                     float sum = 0.0f;
                     for (int64_t j = 0; j < nb; ++j) sum += (s[j] = std::exp(s[j] - mx));
                     row_sum[size_t(i)] = row_sum[size_t(i)] * correction + sum;

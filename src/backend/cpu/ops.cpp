@@ -340,6 +340,17 @@ void swiglu(const float *gate, const float *up, float *out, int64_t n) {
     }
 }
 
+void swiglu_oai(const float *gate, const float *up, float *out, int64_t n, float alpha, float limit) {
+    const int nth = threads_here();
+#pragma omp parallel for num_threads(nth) if (nth > 1 && n >= kParallelMinElems)
+    for (int64_t i = 0; i < n; ++i) {
+        // The clamps are part of the model as trained (HF GptOssExperts): the gate from above only, up both ways.
+        const float g = std::min(gate[i], limit);
+        const float u = std::clamp(up[i], -limit, limit);
+        out[i] = g / (1.0f + std::exp(-alpha * g)) * (u + 1.0f);
+    }
+}
+
 void top_k(const float *scores, int64_t n, int64_t k, int32_t *ids, float *values) {
     PRESCOPE_ASSERT(k >= 0 && k <= n);
     std::vector<int32_t> idx(static_cast<size_t>(n));

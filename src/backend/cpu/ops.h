@@ -130,14 +130,27 @@ void rope(float *x, int64_t n_tok, int64_t n_head, int64_t head_dim, const int32
 /// q: [n_tok][n_head][head_dim]; k_cache, v_cache: [>= pos0 + n_tok][n_head_kv][head_dim] holding
 /// every position up to pos0 + n_tok - 1; out: [n_tok][n_head][head_dim].
 /// Query head h uses KV head h / (n_head / n_head_kv). scores = q.k * scale, softmax in F32.
+/// Options (gpt-oss; HF GptOssAttention / eager_attention_forward, llama.cpp LLAMA_SWA_TYPE_STANDARD):
+/// sinks: [n_head] F32 logits, one per query head, that join each row's softmax denominator as an extra
+/// (unscaled) score with no value: out = sum_j exp(s_j) v_j / (exp(sink) + sum_j exp(s_j)). null: none.
+/// window > 0: the query at position p sees only positions (p - window, p] (sliding window); 0: all of [0, p].
 void attention(const float *q, const float *k_cache, const float *v_cache, int64_t n_tok, int64_t pos0,
-               int64_t n_head, int64_t n_head_kv, int64_t head_dim, float scale, float *out);
+               int64_t n_head, int64_t n_head_kv, int64_t head_dim, float scale, float *out,
+               const float *sinks = nullptr, int64_t window = 0);
 
 /// In-place softmax over each of n_rows rows of n values (max-subtracted, F32).
 void softmax(float *x, int64_t n_rows, int64_t n);
 
 /// out[i] = silu(gate[i]) * up[i], silu(x) = x / (1 + exp(-x)); n elements. out may alias gate.
 void swiglu(const float *gate, const float *up, float *out, int64_t n);
+
+/// gpt-oss's clamped SwiGLU (HF GptOssExperts, ggml swiglu_oai): with g = min(gate[i], limit) and
+/// u = clamp(up[i], -limit, limit), out[i] = g * sigmoid(alpha * g) * (u + 1); n elements, F32. out may alias
+/// gate. gpt-oss uses alpha 1.702 and limit 7 (kSwigluOaiAlpha / kSwigluOaiLimit).
+void swiglu_oai(const float *gate, const float *up, float *out, int64_t n, float alpha, float limit);
+/// The constants llama.cpp's LLM_FFN_SWIGLU_OAI_MOE and HF GptOssExperts (alpha; config swiglu_limit) use.
+constexpr float kSwigluOaiAlpha = 1.702f;
+constexpr float kSwigluOaiLimit = 7.0f;
 
 /// The k largest of n scores: ids in descending score order (ties: lower index first), values too.
 void top_k(const float *scores, int64_t n, int64_t k, int32_t *ids, float *values);
