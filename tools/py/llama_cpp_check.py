@@ -3,7 +3,7 @@
 # prompt tokenization, 32-token greedy continuation and perplexity; results go into the golden .ref.json files.
 """llama.cpp cross-check of tests/data/models/<arch>/tiny-*.gguf.
 
-    python3 tools/py/llama_cpp_check.py --llama-bin /tmp/llama.cpp/build/bin --commit d32676d77
+    python3 tools/py/llama_cpp_check.py --llama-bin /tmp/llama.cpp/build/bin --commit d32676d77 [--arch gptoss ...]
 
 For each GGUF with a .ref.json next to it:
   - llama-tokenize on prompt_text must give prompt_ids (so the text prompt below is exactly HF's prompt);
@@ -152,10 +152,13 @@ def main() -> int:
     ap.add_argument("--llama-bin", type=Path, required=True, help="llama.cpp build/bin with llama-completion etc.")
     ap.add_argument("--commit", required=True, help="llama.cpp commit of that build, recorded in the JSON")
     ap.add_argument("--models", type=Path, default=REPO / "tests/data/models")
+    ap.add_argument("--arch", nargs="+", help="only these folders of --models (e.g. gptoss deepseekv3)")
     args = ap.parse_args()
     bin_dir = args.llama_bin.resolve()
     fatal = []
     for ref_path in sorted(args.models.glob("*/tiny-*.ref.json")):
+        if args.arch and ref_path.parent.name not in args.arch:
+            continue
         model = ref_path.with_name(ref_path.name.replace(".ref.json", ".gguf"))
         problems = check_model(model, ref_path, bin_dir, args.commit)
         r = json.loads(ref_path.read_text())
