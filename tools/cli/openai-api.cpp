@@ -192,6 +192,10 @@ std::vector<int32_t> chat_prompt(const json &body, const ApiContext &ctx) {
         if (!role || !role->is_string()) {
             bad_request(at + ".role", "invalid_type", fmt::format("'{}.role' must be a string", at));
         }
+        // Checked here, not only by the template: its error names the model file, which a client is not told.
+        if (const std::string r = role->get<std::string>(); r != "system" && r != "user" && r != "assistant") {
+            wrong_value(at + ".role", fmt::format("expected system, user or assistant, got '{}'", r));
+        }
         const json *content = field(m, "content");
         if (!content) bad_request(at + ".content", "invalid_type", fmt::format("'{}.content' is missing", at));
         std::string text;
