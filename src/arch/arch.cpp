@@ -10,6 +10,17 @@
 
 namespace prescope {
 
+namespace {
+
+/// Metadata value v of key `key` in `path` must be finite and above lo (at or above with `or_equal`): a NaN or a
+/// negative frequency base or epsilon only shows later as NaN logits or, for YaRN's ramp, as silently other tokens.
+void check_real(const std::string &path, const std::string &key, double v, double lo, bool or_equal) {
+    if (std::isfinite(v) && (v > lo || (or_equal && v == lo))) return;
+    fail("{}: metadata '{}' is {}, expected a finite value {} {}", path, key, v, or_equal ? ">=" : ">", lo);
+}
+
+} // namespace
+
 const std::vector<ArchInfo> &arch_registry() {
     static const std::vector<ArchInfo> registry = {
         {"qwen3moe", load_qwen3moe},
@@ -70,8 +81,12 @@ void ArchLoader::read_common_hparams() {
     }
     hp.n_head = int64_t(f_.get_u64(a + ".attention.head_count"));
     hp.n_head_kv = int64_t(f_.get_u32_or(a + ".attention.head_count_kv", uint32_t(hp.n_head)));
-    hp.rms_eps = float(f_.get_f64(a + ".attention.layer_norm_rms_epsilon"));
-    hp.rope_freq_base = float(f_.get_f64_or(a + ".rope.freq_base", 10000.0));
+    const double eps = f_.get_f64(a + ".attention.layer_norm_rms_epsilon");
+    check_real(f_.path(), a + ".attention.layer_norm_rms_epsilon", eps, 0.0, true);
+    hp.rms_eps = float(eps);
+    const double freq_base = f_.get_f64_or(a + ".rope.freq_base", 10000.0);
+    check_real(f_.path(), a + ".rope.freq_base", freq_base, 0.0, false);
+    hp.rope_freq_base = float(freq_base);
     hp.n_expert = int64_t(f_.get_u32_or(a + ".expert_count", 0));
     hp.n_expert_used = int64_t(f_.get_u32_or(a + ".expert_used_count", 0));
     if (hp.n_embd <= 0 || hp.n_layer <= 0 || hp.n_head <= 0 || hp.n_head_kv <= 0 || hp.n_head % hp.n_head_kv != 0) {
@@ -165,11 +180,17 @@ ArchLoader::RopeScaling ArchLoader::read_rope_scaling() {
              "positive length)", f_.path(), r.factor, y.n_ctx_orig);
     }
     y.freq_scale = float(1.0 / r.factor);
-    y.beta_fast = float(f_.get_f64_or(a + ".rope.scaling.yarn_beta_fast", 32.0));
-    y.beta_slow = float(f_.get_f64_or(a + ".rope.scaling.yarn_beta_slow", 1.0));
-    y.ext_factor = float(f_.get_f64_or(a + ".rope.scaling.yarn_ext_factor", 1.0));
-    r.attn_factor = f_.get_f64_or(a + ".rope.scaling.attn_factor", 1.0);
-    const double log_mul = f_.get_f64_or(a + ".rope.scaling.yarn_log_multiplier", 0.0);
+    const auto real = [&](const char *name, double fallback, double lo, bool or_equal) {
+        const std::string key = a + ".rope.scaling." + name;
+        const double v = f_.get_f64_or(key, fallback);
+        check_real(f_.path(), key, v, lo, or_equal);
+        return v;
+    };
+    y.beta_fast = float(real("yarn_beta_fast", 32.0, 0.0, false));
+    y.beta_slow = float(real("yarn_beta_slow", 1.0, 0.0, false));
+    y.ext_factor = float(real("yarn_ext_factor", 1.0, 0.0, true));
+    r.attn_factor = real("attn_factor", 1.0, 0.0, false);
+    const double log_mul = real("yarn_log_multiplier", 0.0, 0.0, true);
     r.mscale_all_dim = log_mul / 0.1;
     // llama.cpp (llama_context): yarn_attn_factor = get_mscale(factor) / (1 + 0.1 ln factor) x attn_factor, and
     // ggml's rope multiplies cos/sin by 1 + 0.1 ln factor again, so without a log multiplier they are scaled by

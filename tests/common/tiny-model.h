@@ -27,6 +27,8 @@ struct TinyModelSpec {
     uint32_t sliding_window = 3;
     /// Integer metadata keys written as the string "x" instead (wrong-type tests).
     std::set<std::string> keys_as_string;
+    /// Float metadata keys written with these values instead of the model's (bad-value tests).
+    std::map<std::string, float> f32_values;
     /// Called for every tensor before it is written: may rename it (empty name drops it), change its
     /// shape or its ggml type id. Tensors given a weight dtype other than F32 hold random blocks of it
     /// (test::random_weights, seeded by the name); other ids get bytes of the right size.
@@ -48,6 +50,10 @@ inline void write_tiny_model(const std::string &path, const TinyModelSpec &s) {
         } else {
             w.kv_u32(key, v);
         }
+    };
+    const auto f32 = [&](const std::string &key, float v) {
+        const auto it = s.f32_values.find(key);
+        w.kv_f32(key, it != s.f32_values.end() ? it->second : v);
     };
     w.kv_str("general.architecture", a);
     u32(a + ".context_length", s.n_ctx);
@@ -77,8 +83,8 @@ inline void write_tiny_model(const std::string &path, const TinyModelSpec &s) {
         w.kv_f32(a + ".expert_weights_scale", 2.5f);
         w.kv_bool(a + ".expert_weights_norm", true);
     }
-    w.kv_f32(a + ".attention.layer_norm_rms_epsilon", 1e-6f);
-    w.kv_f32(a + ".rope.freq_base", 10000.0f);
+    f32(a + ".attention.layer_norm_rms_epsilon", 1e-6f);
+    f32(a + ".rope.freq_base", 10000.0f);
     if (a == "gpt-oss") u32(a + ".attention.sliding_window", s.sliding_window);
     u32(a + ".expert_count", s.n_expert);
     u32(a + ".expert_used_count", s.n_expert_used);

@@ -216,6 +216,19 @@ TEST(ModelLoad, GptOssExpertBiasOfTheWrongShape) {
     expect_load_error("oss-bias", s, {"tensor 'blk.0.ffn_up_exps.bias' has shape [32, 3], expected [32, 4]"});
 }
 
+// A NaN or non-positive frequency base or epsilon would only show as NaN logits at the first token.
+TEST(ModelLoad, NonFiniteOrNegativeRopeAndNormValues) {
+    TinyModelSpec s;
+    s.arch = "gpt-oss";
+    s.f32_values = {{"gpt-oss.rope.freq_base", 0.0f}};
+    expect_load_error("oss-freq0", s, {"metadata 'gpt-oss.rope.freq_base' is 0, expected a finite value > 0"});
+    s.f32_values = {{"gpt-oss.rope.freq_base", std::nanf("")}};
+    expect_load_error("oss-freqnan", s, {"'gpt-oss.rope.freq_base' is nan"});
+    s.arch = "qwen3moe";
+    s.f32_values = {{"qwen3moe.attention.layer_norm_rms_epsilon", -1.0f}};
+    expect_load_error("q3-eps", s, {"'qwen3moe.attention.layer_norm_rms_epsilon' is -1, expected a finite value >= 0"});
+}
+
 // The GPU runtime refuses what its layer step lacks, naming each architecture's own features (decisions 0121,
 // 0140); the supported ones pass.
 TEST(ModelLoad, GpuRefusalNamesTheMissingFeaturesOfEachArchitecture) {

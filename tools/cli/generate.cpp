@@ -147,7 +147,8 @@ void register_generate(CLI::App &app) {
     cmd->add_option("-n,--n-predict", a->n_predict, "tokens to generate (-1: until end of text)")
         ->capture_default_str()
         ->check(CLI::Range(int64_t(-1), int64_t(1) << 24));
-    cmd->add_flag("--chat", a->chat, "wrap the prompt in the model's chat template (ChatML, Mistral [INST])");
+    cmd->add_flag("--chat", a->chat,
+                  "wrap the prompt in the model's chat template (ChatML, Qwen3, Mistral [INST], gpt-oss harmony)");
     cmd->add_flag("--chat-special", a->chat_special,
                   "with --chat: special-token text in the prompt (e.g. <|im_end|>) becomes control tokens "
                   "(default: it stays plain text)");
