@@ -178,6 +178,11 @@ def test_chat(server):
         model=MODEL_ID, messages=[{"role": "user", "content": [{"type": "text", "text": "How do I install a package?"}]}],
         max_tokens=20, temperature=0)
     assert parts.choices[0].message.content == whole.choices[0].message.content
+    # A "developer" message is a "system" one (OpenAI's newer name for it).
+    as_dev, as_sys = (client.chat.completions.create(
+        model=MODEL_ID, messages=[{"role": role, "content": "Answer briefly."}, *messages], max_tokens=12,
+        temperature=0).choices[0].message.content for role in ("developer", "system"))
+    assert as_dev == as_sys
 
 
 def test_stop_strings(server):

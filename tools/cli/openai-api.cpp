@@ -193,8 +193,11 @@ std::vector<int32_t> chat_prompt(const json &body, const ApiContext &ctx) {
             bad_request(at + ".role", "invalid_type", fmt::format("'{}.role' must be a string", at));
         }
         // Checked here, not only by the template: its error names the model file, which a client is not told.
-        if (const std::string r = role->get<std::string>(); r != "system" && r != "user" && r != "assistant") {
-            wrong_value(at + ".role", fmt::format("expected system, user or assistant, got '{}'", r));
+        // OpenAI's "developer" messages take the place of "system" ones (its API reference): rendered as system.
+        std::string r = role->get<std::string>();
+        if (r == "developer") r = "system";
+        if (r != "system" && r != "user" && r != "assistant") {
+            wrong_value(at + ".role", fmt::format("expected system, developer, user or assistant, got '{}'", r));
         }
         const json *content = field(m, "content");
         if (!content) bad_request(at + ".content", "invalid_type", fmt::format("'{}.content' is missing", at));
@@ -214,7 +217,7 @@ std::vector<int32_t> chat_prompt(const json &body, const ApiContext &ctx) {
         } else {
             wrong_type(at + ".content", "a string or an array of text parts", *content);
         }
-        messages.push_back({role->get<std::string>(), std::move(text)});
+        messages.push_back({std::move(r), std::move(text)});
     }
     ChatPrompt p;
     try {
