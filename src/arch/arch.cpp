@@ -239,7 +239,18 @@ void ArchLoader::bind_attention(int64_t il) {
         l.bv = vector(p + "attn_v.bias", n_kv);
     }
     if (hp.attn_out_bias) l.bo = vector(p + "attn_output.bias", hp.n_embd);
-    if (hp.attn_sinks) l.attn_sinks = vector(p + "attn_sinks.weight", hp.n_head);
+    if (hp.attn_sinks) {
+        l.attn_sinks = vector(p + "attn_sinks.weight", hp.n_head);
+        // One more score per head in every softmax: NaN or +inf there would turn every attention row into NaN
+        // (-inf is a sink that takes nothing, and fine).
+        for (int64_t h = 0; h < hp.n_head; ++h) {
+            const float v = l.attn_sinks[h];
+            if (std::isnan(v) || v == INFINITY) {
+                fail("{}: tensor '{}attn_sinks.weight' holds {} at head {}, expected finite values or -inf",
+                     f_.path(), p, v, h);
+            }
+        }
+    }
     if (hp.qk_norm == QkNorm::PER_HEAD) {
         l.q_norm = vector(p + "attn_q_norm.weight", hp.head_dim);
         l.k_norm = vector(p + "attn_k_norm.weight", hp.head_dim);

@@ -35,11 +35,21 @@ void warn_beyond_training_context(const HParams &hp, int64_t n_ctx) {
     }
 }
 
+int64_t resolve_n_ctx(const Model &model, int64_t n_ctx) {
+    if (n_ctx > 0) return n_ctx;
+    const HParams &hp = model.hp();
+    if (hp.n_ctx_train <= 0) {
+        fail("{}: metadata '{}.context_length' is {}, so the context size must be given (-c N)", model.file().path(),
+             hp.arch, hp.n_ctx_train);
+    }
+    return hp.n_ctx_train;
+}
+
 Context::Context(const Model &model, ContextParams params, ExpertExecutor *executor)
     : model_(model), params_(params) {
     const HParams &hp = model.hp();
-    if (params_.n_ctx <= 0) params_.n_ctx = hp.n_ctx_train;
-    if (params_.n_batch <= 0 || params_.n_ctx <= 0 || params_.n_seq <= 0) {
+    params_.n_ctx = resolve_n_ctx(model, params_.n_ctx);
+    if (params_.n_batch <= 0 || params_.n_seq <= 0) {
         fail("invalid context: n_ctx {}, n_batch {} and n_seq {} must be positive", params_.n_ctx, params_.n_batch,
              params_.n_seq);
     }

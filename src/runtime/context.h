@@ -92,6 +92,10 @@ void check_batch_input(const HParams &hp, std::span<const SeqTokens> batch, std:
 /// Warns (llama.cpp does the same) when n_ctx exceeds the model's training context (hp.n_ctx_train).
 void warn_beyond_training_context(const HParams &hp, int64_t n_ctx);
 
+/// The context size a run uses: n_ctx, or the model's training context (`{arch}.context_length`) when n_ctx <= 0.
+/// Throws Error naming the file and the key when that is needed and is 0 (the user must pass -c N).
+int64_t resolve_n_ctx(const Model &model, int64_t n_ctx);
+
 /// The state of n_seq sequences: one KV cache each, one forward pass over the tokens of all of them. Buffers
 /// are allocated once here; eval() and eval_batch() allocate nothing per token.
 class Context {

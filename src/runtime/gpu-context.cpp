@@ -77,8 +77,8 @@ void GpuContext::init() {
     const OffloadConfig &config = config_;
     const HParams &hp = model.hp();
     check_gpu_runs(model);  // decisions 0121, 0140
-    if (params_.n_ctx <= 0) params_.n_ctx = hp.n_ctx_train;
-    if (params_.n_batch <= 0 || params_.n_ctx <= 0) {
+    params_.n_ctx = resolve_n_ctx(model, params_.n_ctx);
+    if (params_.n_batch <= 0) {
         fail("invalid context: n_ctx {} and n_batch {} must be positive", params_.n_ctx, params_.n_batch);
     }
     if (params_.n_seq <= 0 || params_.n_ctx > INT32_MAX / params_.n_seq) {

@@ -197,6 +197,31 @@ TEST(ModelLoad, GptOssMissingSinks) {
     expect_load_error("oss-sinks", s, {"missing tensor 'blk.1.attn_sinks.weight'", "expected shape [4]"});
 }
 
+// A NaN or +inf sink would make every attention row of its head NaN; -inf (a sink that takes nothing) is fine.
+TEST(ModelLoad, GptOssSinkValuesMustBeFiniteOrMinusInfinity) {
+    TinyModelSpec s;
+    s.arch = "gpt-oss";
+    const std::string p = write("oss-sink-values", s);
+    size_t at = 0;  // byte offset of blk.0's sinks in the file
+    {
+        const prescope::GgufFile f(p);
+        for (const auto &t : f.tensors())
+            if (t.name == "blk.0.attn_sinks.weight") at = size_t(f.data_offset() + t.offset);
+    }
+    ASSERT_GT(at, 0u);
+    const auto put = [&](float v) {
+        std::fstream io(p, std::ios::in | std::ios::out | std::ios::binary);
+        io.seekp(std::streamoff(at + 4));  // head 1
+        io.write(reinterpret_cast<const char *>(&v), 4);
+    };
+    for (float bad : {std::nanf(""), INFINITY}) {
+        put(bad);
+        EXPECT_EQ(prescope::test::error_of([&] { Model::load(p); }).find(p + ": tensor 'blk.0.attn_sinks.weight' holds"), 0u);
+    }
+    put(-INFINITY);
+    EXPECT_NO_THROW(Model::load(p));
+}
+
 TEST(ModelLoad, GptOssSlidingWindowOfTheWrongType) {
     TinyModelSpec s;
     s.arch = "gpt-oss";

@@ -466,7 +466,7 @@ void run_serve(const ServeArgs &a) {
     apply_common(a.common);
     const auto model = Model::load(a.common.model);
     const Tokenizer tok = Tokenizer::from_gguf(model->file());
-    const int64_t total = a.common.n_ctx > 0 ? a.common.n_ctx : model->hp().n_ctx_train;
+    const int64_t total = resolve_n_ctx(*model, a.common.n_ctx);
     const int64_t slot_ctx = total / a.n_parallel;
     if (slot_ctx < 2) {
         fail("-c {} over -np {} slots leaves {} tokens per slot; each needs at least 2 (prompt and one generated)", total,
