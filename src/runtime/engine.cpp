@@ -62,8 +62,8 @@ std::vector<std::string> gpu_missing_features(const HParams &hp) {
 void check_gpu_runs(const Model &model) {
     const std::vector<std::string> missing = gpu_missing_features(model.hp());
     if (!missing.empty()) {
-        fail("{}: the GPU runtime does not run architecture '{}' yet ({}); leave --gpu-expert-budget out to run it "
-             "on the CPU", model.file().path(), model.hp().arch, fmt::join(missing, ", "));
+        fail("{}: the GPU runtime does not run architecture '{}' yet ({}); leave --gpu-expert-budget (gpu_cache) out "
+             "to run it on the CPU", model.file().path(), model.hp().arch, fmt::join(missing, ", "));
     }
 }
 
