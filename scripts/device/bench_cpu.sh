@@ -25,14 +25,9 @@ T0=$SECONDS
 source scripts/device/common.sh
 setup_carried_debs .carry/debs
 
-WHL_DIR=${WHL_DIR:-.carry/whl}
-if compgen -G "$WHL_DIR/*.whl" > /dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        "$WHL_DIR"/*.whl 2> /dev/null && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
+setup_carried_wheels "${WHL_DIR:-.carry/whl}"
 # The model is written while the build runs.
-[ -f "$MODEL" ] || (timeout 300 python3 tools/py/make_bench_model.py --out "$MODEL" --layers "$LAYERS" \
-    > "$OUT/model.log" 2>&1) &
+write_bench_model "$MODEL" "$OUT/model.log" --layers "$LAYERS" &
 writer=$!
 build_prescope build-gpu prescope-cli || exit 1
 say "built prescope ($((SECONDS - T0)) s)"

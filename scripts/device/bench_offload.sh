@@ -41,14 +41,9 @@ setup_carried_debs .carry/debs
 build_prescope build-gpu prescope-cli || exit 1
 say "built prescope ($((SECONDS - T0)) s)"
 
-WHL_DIR=${WHL_DIR:-.carry/whl}
-if compgen -G "$WHL_DIR/*.whl" > /dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$WHL_DIR"/*.whl &&
-        export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
+setup_carried_wheels "${WHL_DIR:-.carry/whl}"
 for other in /tmp/prescope-*-q8_0.gguf; do [ "$other" = "$MODEL" ] || rm -f "$other"; done
-[ -f "$MODEL" ] || timeout 300 python3 tools/py/make_bench_model.py --out "$MODEL" --shape "$SHAPE" \
-    > "$OUT/model.log" 2>&1
+write_bench_model "$MODEL" "$OUT/model.log" --shape "$SHAPE"
 [ -f "$MODEL" ] || { say "FAIL: could not write $MODEL (model.log)"; tail -3 "$OUT/model.log"; exit 1; }
 say "model $MODEL: $(du -h "$MODEL" | cut -f1) ($((SECONDS - T0)) s)"
 

@@ -40,10 +40,8 @@ RUN_TESTS=${RUN_TESTS:-1}  # 0: skip test-gpu (a working tree without models/dem
 LOG=$LOG build_prescope build-gpu prescope-cli $([ "$RUN_TESTS" = 1 ] && echo test-gpu) || exit 1
 say "built prescope ($((SECONDS - T0)) s)"
 
-WHL_DIR=${WHL_DIR:-.carry/whl}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$WHL_DIR"/*.whl &&
-    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-[ -f "$MODEL" ] || timeout 300 python3 tools/py/make_bench_model.py --out "$MODEL" --shape "$SHAPE" > "$LOG/model.log" 2>&1 &
+setup_carried_wheels "${WHL_DIR:-.carry/whl}"
+write_bench_model "$MODEL" "$LOG/model.log" --shape "$SHAPE" &
 MODEL_PID=$!
 
 if [ "$RUN_TESTS" = 1 ]; then

@@ -34,6 +34,25 @@ run_bin() {
     if [ -n "$RUN_LIBS" ]; then LD_LIBRARY_PATH=$RUN_LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} "$@"; else "$@"; fi
 }
 
+# Installs the wheels of folder $1 (the gguf wheel the GPU machine lacks, for the model writer) into /tmp/site and
+# puts that on PYTHONPATH; nothing when the folder holds none.
+setup_carried_wheels() {
+    local dir=$1
+    compgen -G "$dir/*.whl" > /dev/null || return 0
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        "$dir"/*.whl 2> /dev/null && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+}
+
+# Writes the random-weight benchmark model $1 unless it is there: tools/py/make_bench_model.py with the remaining
+# arguments after $2 (its log), under $1.part and renamed when complete, so that a call ending mid-write leaves no
+# truncated file for the next call on a warm machine to take for the model.
+write_bench_model() {
+    local model=$1 log=$2
+    shift 2
+    [ -f "$model" ] && return 0
+    timeout 300 python3 tools/py/make_bench_model.py --out "$model.part" "$@" > "$log" 2>&1 && mv "$model.part" "$model"
+}
+
 # Says which -dev packages the CMake configuration needs and this machine lacks, with the fix.
 check_deps() {
     local missing=() m

@@ -115,7 +115,7 @@ for l in open('$LOG/bench-small.jsonl'):
 # --- optional: a real shape -------------------------------------------------------------------------
 if [ $BIG -eq 1 ]; then
     BIGM=/tmp/prescope-q30b-8l-q8_0.gguf
-    [ -f "$BIGM" ] || timeout 300 python3 tools/py/make_bench_model.py --out "$BIGM" --layers 8 > "$LOG/big-model.log" 2>&1
+    write_bench_model "$BIGM" "$LOG/big-model.log" --layers 8
     for b in 1GiB 4GiB; do
         run_bin timeout 200 "$BIN/prescope" bench -m "$BIGM" -p 512 -n 64 -r 2 -o json --gpu-expert-budget $b \
             --predictor fate > "$LOG/bench-big-$b.jsonl" 2> "$LOG/bench-big-$b.log"

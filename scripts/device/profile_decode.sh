@@ -30,16 +30,10 @@ T0=$SECONDS
 source scripts/device/common.sh
 setup_carried_debs .carry/debs
 
-WHL_DIR=${WHL_DIR:-.carry/whl}
-if compgen -G "$WHL_DIR/*.whl" > /dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$WHL_DIR"/*.whl &&
-        export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
+setup_carried_wheels "${WHL_DIR:-.carry/whl}"
 export PEER_PACK=$OUT/peer-bin PEER_JOBS=$(nproc)
 setup_peer  # first: the peer's build is the longest part of a call on a fresh machine
-# Written under another name and renamed when complete: a call that ends mid-write leaves no truncated model.
-[ -f "$MODEL" ] || (timeout 300 python3 tools/py/make_bench_model.py --out "$MODEL.part" --shape qwen3-30b-a3b \
-    > "$OUT/model.log" 2>&1 && mv "$MODEL.part" "$MODEL") &
+write_bench_model "$MODEL" "$OUT/model.log" --shape qwen3-30b-a3b &
 MODEL_PID=$!
 build_prescope build-gpu prescope-cli test-backend-ops prescope-cupti-trace || exit 1
 say "built ($((SECONDS - T0)) s)"

@@ -255,12 +255,16 @@ std::string chat_template_name(const GgufFile &file) {
     return "";
 }
 
+bool known_chat_role(const std::string &role) {
+    return role == "system" || role == "user" || role == "assistant";
+}
+
 ChatPrompt render_chat(const GgufFile &file, const std::vector<ChatMessage> &messages, bool add_generation_prompt) {
     const Template t = recognise(file);
     if (messages.empty()) fail("{}: cannot apply the chat template to an empty conversation", file.path());
     for (size_t i = 0; i < messages.size(); ++i) {
         const std::string &r = messages[i].role;
-        if (r != "system" && r != "user" && r != "assistant")
+        if (!known_chat_role(r))
             fail("{}: chat message {} has role '{}', expected system, user or assistant", file.path(), i, r);
     }
     switch (t.family) {

@@ -18,6 +18,9 @@ struct ChatMessage {
     std::string content;
 };
 
+/// Whether render_chat takes messages of this role: system, user or assistant.
+bool known_chat_role(const std::string &role);
+
 /// The template family PreScope recognised in the file, for logs: "qwen3" (ChatML with Qwen3's <think>
 /// handling), "chatml" (ChatML, with the template's default system prompt if it has one: Qwen2, Qwen2.5),
 /// "mistral-v0" (Mixtral-8x7B-Instruct's original [INST] template, no system role), "mistral-v1" (its

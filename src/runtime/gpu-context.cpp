@@ -496,15 +496,9 @@ void GpuContext::attention_block(int64_t il, int64_t n, std::span<const SeqRun> 
     const bool direct = runs.size() == 1;
     float *k_new = direct ? kc + runs[0].seq * seq_stride + runs[0].pos0 * n_kv : k_new_;
     float *v_new = direct ? vc + runs[0].seq * seq_stride + runs[0].pos0 * n_kv : v_new_;
-    if (l.wq.type == l.wk.type && l.wk.type == l.wv.type) {  // one launch, the activations quantized once
-        const cuda::MatmulPart qkv[3] = {{l.wq.data, l.wq.n_out, q_}, {l.wk.data, l.wk.n_out, k_new},
-                                         {l.wv.data, l.wv.n_out, v_new}};
-        cuda::matmul_parts(l.wq.type, qkv, hp.n_embd, hb_, n, ws_, s);
-    } else {
-        matmul(l.wq, hb_, n, q_);
-        matmul(l.wk, hb_, n, k_new);
-        matmul(l.wv, hb_, n, v_new);
-    }
+    const cuda::MatmulPart qkv[3] = {{l.wq.type, l.wq.data, l.wq.n_out, q_}, {l.wk.type, l.wk.data, l.wk.n_out, k_new},
+                                     {l.wv.type, l.wv.data, l.wv.n_out, v_new}};
+    cuda::matmul_parts(qkv, hp.n_embd, hb_, n, ws_, s);  // one launch, the activations quantized once
     if (hp.qkv_bias) {
         cuda::add_bias(q_, l.bq, n, n_q, s);
         cuda::add_bias(k_new, l.bk, n, n_kv, s);

@@ -194,13 +194,9 @@ void CudaMoeDevice::launch_gpu(const MoeStep &s) {
     }
     if (s.wave == 0 && s.k_comb > s.k) {
         const GpuSharedExpert &l = shared_[size_t(s.layer)];
-        if (l.gate.type == l.up.type) {
-            const cuda::MatmulPart gate_up[2] = {{l.gate.data, l.gate.n_out, sh_gate_}, {l.up.data, l.up.n_out, sh_up_}};
-            cuda::matmul_parts(l.gate.type, gate_up, l.gate.n_in, h_dev_, s.n_tok, ws_, st);
-        } else {
-            matmul(l.gate, h_dev_, s.n_tok, sh_gate_);
-            matmul(l.up, h_dev_, s.n_tok, sh_up_);
-        }
+        const cuda::MatmulPart gate_up[2] = {{l.gate.type, l.gate.data, l.gate.n_out, sh_gate_},
+                                             {l.up.type, l.up.data, l.up.n_out, sh_up_}};
+        cuda::matmul_parts(gate_up, l.gate.n_in, h_dev_, s.n_tok, ws_, st);
         cuda::swiglu(sh_gate_, sh_up_, sh_gate_, s.n_tok * shape_.n_ff_shexp, st);
         matmul(l.down, sh_gate_, s.n_tok, pairs_ + (s.n_gpu_pairs + s.n_cpu_pairs) * n_embd);
     }

@@ -341,8 +341,8 @@ struct MatmulPartsCase : Case {
     }
     void run() override {
         std::vector<cu::MatmulPart> parts;
-        for (size_t z = 0; z < n_out.size(); ++z) parts.push_back({dw[z].bytes_ptr(), n_out[z], dy[z].as<float>()});
-        cu::matmul_parts(type, parts, n_in, dx.as<float>(), n_tok, ws.workspace(), g_stream, path);
+        for (size_t z = 0; z < n_out.size(); ++z) parts.push_back({type, dw[z].bytes_ptr(), n_out[z], dy[z].as<float>()});
+        cu::matmul_parts(parts, n_in, dx.as<float>(), n_tok, ws.workspace(), g_stream, path);
     }
     std::vector<Check> compare() override {
         std::vector<Check> c;

@@ -196,7 +196,7 @@ std::vector<int32_t> chat_prompt(const json &body, const ApiContext &ctx) {
         // OpenAI's "developer" messages take the place of "system" ones (its API reference): rendered as system.
         std::string r = role->get<std::string>();
         if (r == "developer") r = "system";
-        if (r != "system" && r != "user" && r != "assistant") {
+        if (!known_chat_role(r)) {
             wrong_value(at + ".role", fmt::format("expected system, developer, user or assistant, got '{}'", r));
         }
         const json *content = field(m, "content");

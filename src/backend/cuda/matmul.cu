@@ -7,6 +7,7 @@
 #include "backend/cuda/convert.cuh"
 #include "backend/cuda/device.cuh"
 
+#include <algorithm>
 #include <climits>
 #include <cstdio>
 #include <cstdlib>
@@ -398,9 +399,14 @@ size_t matmul_workspace_bytes(DType type, int64_t n_in, int64_t n_out, int64_t n
     return q + x_bytes + dequant_bytes(type, n_in, n_out);
 }
 
-void matmul_parts(DType type, std::span<const MatmulPart> parts, int64_t n_in, const float *x, int64_t n_tok,
-                  Workspace ws, cudaStream_t stream, MatmulPath path) {
+void matmul_parts(std::span<const MatmulPart> parts, int64_t n_in, const float *x, int64_t n_tok, Workspace ws,
+                  cudaStream_t stream, MatmulPath path) {
     CUDA_ASSERT(!parts.empty() && parts.size() <= size_t(kMaxParts));
+    const DType type = parts[0].type;
+    if (std::any_of(parts.begin(), parts.end(), [&](const MatmulPart &m) { return m.type != type; })) {
+        for (const MatmulPart &m : parts) matmul_parts(std::span<const MatmulPart>(&m, 1), n_in, x, n_tok, ws, stream, path);
+        return;
+    }
     for (const MatmulPart &m : parts) {
         check_weights(type, m.w, n_in, m.n_out);
         CUDA_ASSERT(reinterpret_cast<uintptr_t>(m.y) % 16 == 0);
@@ -445,8 +451,8 @@ void matmul_parts(DType type, std::span<const MatmulPart> parts, int64_t n_in, c
 
 void matmul(DType type, const void *w, int64_t n_in, int64_t n_out, const float *x, int64_t n_tok, float *y,
             Workspace ws, cudaStream_t stream, MatmulPath path) {
-    const MatmulPart part{w, n_out, y};
-    matmul_parts(type, std::span<const MatmulPart>(&part, 1), n_in, x, n_tok, ws, stream, path);
+    const MatmulPart part{type, w, n_out, y};
+    matmul_parts(std::span<const MatmulPart>(&part, 1), n_in, x, n_tok, ws, stream, path);
 }
 
 int64_t expert_matmul_pairs(const ExpertMatmul &g) {

@@ -52,20 +52,22 @@ size_t matmul_workspace_bytes(DType type, int64_t n_in, int64_t n_out, int64_t n
 void matmul(DType type, const void *w, int64_t n_in, int64_t n_out, const float *x, int64_t n_tok, float *y,
             Workspace ws, cudaStream_t stream, MatmulPath path = MatmulPath::AUTO);
 
-/// One matrix of a matmul_parts call: n_out rows of the shared n_in, written to y ([n_tok][n_out] F32 on the
-/// device, 16-byte aligned, overwritten).
+/// One matrix of a matmul_parts call: n_out rows of the shared n_in of `type`, written to y ([n_tok][n_out] F32
+/// on the device, 16-byte aligned, overwritten).
 struct MatmulPart {
+    DType type = DType::F32;
     const void *w = nullptr;
     int64_t n_out = 0;
     float *y = nullptr;
 };
 
-/// matmul for up to 3 matrices of one type over the same activations (the q, k and v projections; a shared
-/// expert's gate and up): the activations are quantized (and, on the cuBLAS path, converted) once, and on the
-/// GEMV path one launch computes every part. Each part's y equals a matmul of that part alone bit for bit.
-/// Rules for w, x and ws as for matmul; ws must hold matmul_workspace_bytes of every part.
-void matmul_parts(DType type, std::span<const MatmulPart> parts, int64_t n_in, const float *x, int64_t n_tok,
-                  Workspace ws, cudaStream_t stream, MatmulPath path = MatmulPath::AUTO);
+/// matmul for up to 3 matrices over the same activations (the q, k and v projections; a shared expert's gate
+/// and up). Parts of one type share the activations' quantization (and, on the cuBLAS path, their conversion)
+/// and, on the GEMV path, one launch; parts of different types (a Q4_K_M file's Q6_K wv) run as separate
+/// matmuls. Each part's y equals a matmul of that part alone bit for bit. Rules for w, x and ws as for matmul;
+/// ws must hold matmul_workspace_bytes of every part.
+void matmul_parts(std::span<const MatmulPart> parts, int64_t n_in, const float *x, int64_t n_tok, Workspace ws,
+                  cudaStream_t stream, MatmulPath path = MatmulPath::AUTO);
 
 /// One grouped product: the active experts of a layer, each with the (token, slot) pairs routed to it.
 /// Pairs are numbered expert by expert: the pairs of expert e are [offsets[e], offsets[e + 1]); pair p
