@@ -37,6 +37,8 @@ struct OffloadConfig {
     int32_t prefetch_in_flight = 8;    // prefetch requests outstanding at most (cost rule)
     std::string numa = "gpu";          // gpu | distribute | isolate | numactl (runtime/numa.h)
     std::string dump_layer_states;     // write every layer's scheduler state here (JSON lines; schedule-check)
+    bool device_hits = true;           // the device runs the resident experts before the host reads the routing
+                                       // (decode-sized batches; runtime/hybrid-moe.h launch_device_hits, issue 14)
 
     /// Keys set through set() (file or flags), in order, with where they came from.
     std::vector<std::pair<std::string, std::string>> given;

@@ -163,6 +163,18 @@ void GpuContext::init() {
     moe_shape.top_k = k;
     moe_shape.n_experts = E;
     moe_shape.n_ff_shexp = hp.shared_expert ? hp.n_ff_shexp : 0;
+    moe_shape.n_layers = L;
+    // The device-resolved hit path takes batches each of whose experts fit the GEMV path (decode sizes).
+    device_hits_tokens_ = config.device_hits && cc.budget_bytes > 0 ? nb : 0;
+    for (int32_t l = 0; l < L; ++l) {
+        const ExpertLayout x = ExpertLayout::of(model, l);
+        for (DType t : {x.gate_type, x.up_type, x.down_type}) {
+            device_hits_tokens_ = std::min<int64_t>(device_hits_tokens_, cuda::device_resolved_max_pairs(t));
+        }
+    }
+    moe_shape.device_hits_tokens = device_hits_tokens_;
+    // With a replayed trace the device resolves the trace's experts: they travel with the pass's tokens.
+    const int64_t replay_ints = replay_ ? L * device_hits_tokens_ * k : 0;
     const uint64_t moe_bytes = CudaMoeDevice::device_bytes_for(moe_shape);
 
     // Workspace: the largest any op of a batch asks for (ops run in stream order and share it).
@@ -205,7 +217,7 @@ void GpuContext::init() {
         v_new_ = params_.n_seq > 1 ? c.take<float>(size_t(nb * n_kv)) : nullptr;
         router_logits_ = c.take<float>(size_t(nb * E));
         routing_dev_ = c.take<uint8_t>(routing_block(nb).bytes);
-        tok_dev_ = c.take<int32_t>(size_t(4 * nb));
+        tok_dev_ = c.take<int32_t>(size_t(4 * nb + replay_ints));
         logits_dev_ = c.take<float>(size_t(kLogitRows * hp.n_vocab));
         ws_.ptr = c.take<uint8_t>(ws);
         ws_.bytes = ws;
@@ -231,7 +243,7 @@ void GpuContext::init() {
     Carver host_sizing;
     auto carve_host = [&](Carver &c) {
         routing_host_ = c.take<uint8_t>(routing_block(nb).bytes);
-        tok_host_ = c.take<int32_t>(size_t(4 * nb));
+        tok_host_ = c.take<int32_t>(size_t(4 * nb + replay_ints));
         logits_host_ = c.take<float>(size_t(kLogitRows * hp.n_vocab));
     };
     carve_host(host_sizing);
@@ -311,6 +323,10 @@ void GpuContext::release() noexcept {
         spdlog::error("while releasing the GPU runtime: {}", e.what());  // a dead device: nothing more to do
     }
     backend_.reset();
+}
+
+int64_t GpuContext::replay_ids(int64_t layer, int64_t n_tok) const {
+    return 4 * params_.n_batch + layer * n_tok * model_.hp().n_expert_used;
 }
 
 GpuContext::RoutingBlock GpuContext::routing_block(int64_t n_tok) const {
@@ -470,7 +486,13 @@ void GpuContext::forward_pass(const int32_t *tokens, int64_t n, std::span<const 
     }
     const auto n_rows = int64_t(out_rows.size());
     for (int64_t i = 0; i < n_rows; ++i) tok_host_[3 * nb + i] = int32_t(out_rows[size_t(i)]);
-    backend_->copy_h2d_async(tok_dev_, tok_host_, size_t(4 * nb) * 4, compute_);
+    size_t n_ints = size_t(4 * nb);
+    if (replay_ && n <= device_hits_tokens_) {
+        // [n_layer][n][k] after the four rows: the experts launch_device_hits resolves at each layer.
+        for (int64_t il = 0; il < hp.n_layer; ++il) replay_->peek_ids(il, n, tok_host_ + replay_ids(il, n));
+        n_ints += size_t(hp.n_layer * n * hp.n_expert_used);
+    }
+    backend_->copy_h2d_async(tok_dev_, tok_host_, n_ints * 4, compute_);
     cuda::get_rows(tok_embd_.type, tok_embd_.data, hp.n_embd, hp.n_vocab, tok_dev_, n, x_, stream());
     for (int64_t il = 0; il < hp.n_layer; ++il) {
         attention_block(il, n, runs);
@@ -545,10 +567,15 @@ void GpuContext::moe_block(int64_t il, int64_t n) {
                           reinterpret_cast<int32_t *>(routing_dev_ + b.ids),
                           reinterpret_cast<float *>(routing_dev_ + b.weights), stream());
         if (hp.shared_expert) matmul(l.gate_inp_shexp, h, n, reinterpret_cast<float *>(routing_dev_ + b.shared_gate));
-        // The one device-to-host copy and the one wait of the layer: routing, router input, shared gate.
+        // The one device-to-host copy and the one wait of the layer: routing, router input, shared gate. The
+        // device meanwhile runs the routed experts it holds (issue 14), resolved from the routing it has: the
+        // router's, or the replayed trace's.
         backend_->copy_d2h_async(routing_host_, routing_dev_, b.bytes, compute_);
-        moe_->mark_routing_copied(int32_t(il), compute_);
         backend_->event_record(routing_ready_, compute_);
+        const auto *ids_dev = reinterpret_cast<const int32_t *>(routing_dev_ + b.ids);
+        moe_device_->set_layer(h, replay_ && n <= device_hits_tokens_ ? tok_dev_ + replay_ids(il, n) : ids_dev, tmp_);
+        if (!routing_override) moe_->launch_device_hits(int32_t(il), n);
+        moe_->mark_routing_copied(int32_t(il), compute_);
         backend_->event_synchronize(routing_ready_);
     }
 
@@ -566,7 +593,6 @@ void GpuContext::moe_block(int64_t il, int64_t n) {
         hp.shared_expert ? std::span<const float>(reinterpret_cast<const float *>(routing_host_ + b.shared_gate),
                                                   size_t(n))
                          : std::span<const float>();
-    moe_device_->set_layer(h, tmp_);
     const NvtxRange range("moe: plan, copies, GPU experts, prefetch, CPU experts, combine");
     moe_->run_layer(int32_t(il), h_host, routing_, shared_gate);
     cuda::add(x_, tmp_, x_, n * hp.n_embd, stream());

@@ -74,6 +74,8 @@ class GpuContext final : public Engine {
     void init();
     void release() noexcept;
     RoutingBlock routing_block(int64_t n_tok) const;
+    /// Offset in tok_dev_ / tok_host_ (int32 elements) of the replayed experts of `layer` for a pass of n_tok.
+    int64_t replay_ids(int64_t layer, int64_t n_tok) const;
     void upload_weights();
     /// One forward pass over tokens[0, n) made of `runs`; logits_out receives [out_rows][n_vocab].
     void forward_pass(const int32_t *tokens, int64_t n, std::span<const SeqRun> runs,
@@ -117,7 +119,8 @@ class GpuContext final : public Engine {
     uint8_t *routing_dev_ = nullptr;  // RoutingBlock for n_batch tokens: h, ids, weights, shared gate logits
     float *k_new_ = nullptr;     // [n_batch][n_head_kv * head_dim] new keys of a pass of several runs, before the
     float *v_new_ = nullptr;     //   scatter into their sequences' cache rows (one run writes its rows directly)
-    int32_t *tok_dev_ = nullptr;   // [4][n_batch]: token ids, positions, KV cache rows, rows whose logits are wanted
+    int32_t *tok_dev_ = nullptr;   // [4][n_batch]: token ids, positions, KV cache rows, rows whose logits are wanted;
+                                   // then, replaying a trace, [n_layer][n][top_k] its experts (replay_ids)
     float *logits_dev_ = nullptr;  // [kLogitRows][n_vocab]
     cuda::Workspace ws_;
     // Pinned host mirrors.
@@ -131,6 +134,7 @@ class GpuContext final : public Engine {
 
     // Offloading.
     std::unique_ptr<RoutingReplay> replay_;
+    int64_t device_hits_tokens_ = 0;  // most tokens of a pass the device-resolved hit path takes (0: off)
     std::unique_ptr<ExpertStore> store_;
     PlacementPlan plan_;
     std::unique_ptr<ExpertCache> cache_;

@@ -51,6 +51,12 @@ void carve_device(const CudaMoeDevice::Shape &s, Take &&take) {
         take(4, size_t(s.n_batch * s.n_ff_shexp) * 4);
     }
     take(5, meta_bytes_for(s));
+    if (s.device_hits_tokens > 0) {
+        take(6, size_t(s.n_layers * s.n_experts) * sizeof(void *));
+        take(7, size_t(3 * s.n_experts) * sizeof(void *));
+        take(8, size_t(s.n_experts + 1) * 4);
+        take(9, size_t(s.device_hits_tokens * s.top_k) * 4);
+    }
 }
 
 } // namespace
@@ -79,8 +85,18 @@ CudaMoeDevice::CudaMoeDevice(CudaBackend &backend, Stream compute, const ExpertS
         case 3: sh_gate_ = reinterpret_cast<float *>(p); break;
         case 4: sh_up_ = reinterpret_cast<float *>(p); break;
         case 5: meta_dev_ = p; break;
+        case 6: table_dev_ = reinterpret_cast<const void **>(p); break;
+        case 7: hit_w_dev_ = reinterpret_cast<const void **>(p); break;
+        case 8: hit_offsets_dev_ = reinterpret_cast<int32_t *>(p); break;
+        case 9: hit_rows_dev_ = reinterpret_cast<int32_t *>(p); break;
         }
     });
+    if (table_dev_) {
+        // Nothing is resident for the device until HybridMoe sets entries.
+        const std::vector<const void *> empty(size_t(shape.n_layers * shape.n_experts), nullptr);
+        backend_.copy_h2d_async(table_dev_, empty.data(), empty.size() * sizeof(void *), compute_);
+        backend_.stream_synchronize(compute_);
+    }
     // Pinned host mirrors of what crosses the link every layer; pageable when page-locking is refused.
     auto carve_host = [&](Carver &c) {
         meta_host_ = c.take<uint8_t>(meta_bytes_);
@@ -200,6 +216,55 @@ void CudaMoeDevice::launch_gpu(const MoeStep &s) {
         cuda::swiglu(sh_gate_, sh_up_, sh_gate_, s.n_tok * shape_.n_ff_shexp, st);
         matmul(l.down, sh_gate_, s.n_tok, pairs_ + (s.n_gpu_pairs + s.n_cpu_pairs) * n_embd);
     }
+}
+
+void CudaMoeDevice::launch_device_hits(int32_t layer, int64_t n_tok, std::span<const int32_t> index,
+                                      std::span<const void *const> data) {
+    PRESCOPE_ASSERT(table_dev_ && n_tok >= 0 && n_tok <= shape_.device_hits_tokens && index.size() == data.size());
+    PRESCOPE_ASSERT(n_tok == 0 || (h_dev_ && ids_dev_));
+    const ExpertLayout &x = store_.layout(layer);
+    const cudaStream_t st = stream();
+    const int64_t E = shape_.n_experts, n_pairs = n_tok * shape_.top_k;
+    cuda::DeviceHitsArgs a;
+    a.table = table_dev_;
+    a.layer = layer;
+    a.n_expert = int32_t(E);
+    a.ids = ids_dev_;
+    a.n_tok = n_tok;
+    a.k = shape_.top_k;
+    a.up_offset = int64_t(x.up_offset);
+    a.down_offset = int64_t(x.down_offset);
+    a.gate_w = hit_w_dev_;
+    a.up_w = hit_w_dev_ + E;
+    a.down_w = hit_w_dev_ + 2 * E;
+    a.offsets = hit_offsets_dev_;
+    a.rows = hit_rows_dev_;
+    cuda::resolve_device_hits(a, index.data(), data.data(), int64_t(index.size()), st);
+    if (n_tok == 0) return;
+
+    // The grouped products of wave 0 with the groups known to the device only: a GEMV block per group and row
+    // block, the empty groups leaving at once; pair rows [0, n) as the host's layout numbers them.
+    cuda::ExpertMatmul g;
+    g.n_expert = int32_t(std::min(E, n_pairs));
+    g.offsets_dev = hit_offsets_dev_;
+    g.rows_dev = hit_rows_dev_;
+    g.n_pairs_max = n_pairs;
+    g.max_group_pairs = int32_t(n_tok);
+    g.n_in = shape_.n_embd;
+    g.n_out = x.n_ff;
+    g.type = x.gate_type;
+    g.w_dev = a.gate_w;
+    g.type2 = x.up_type;
+    g.w2_dev = a.up_w;
+    cuda::expert_matmul(g, h_dev_, gate_, ws_, st, cuda::MatmulPath::AUTO, up_);
+    cuda::swiglu(gate_, up_, gate_, n_pairs * x.n_ff, st);
+    g.type = x.down_type;
+    g.n_in = x.n_ff;
+    g.n_out = shape_.n_embd;
+    g.rows_dev = nullptr;
+    g.w_dev = a.down_w;
+    g.w2_dev = nullptr;
+    cuda::expert_matmul(g, gate_, pairs_, ws_, st);
 }
 
 void CudaMoeDevice::combine(const MoeStep &s) {

@@ -37,6 +37,8 @@ class CudaMoeDevice final : public MoeDevice {
         int64_t top_k = 0;
         int64_t n_experts = 0;
         int64_t n_ff_shexp = 0;   // shared expert FFN, 0 = none
+        int64_t n_layers = 0;
+        int64_t device_hits_tokens = 0;  // most tokens of the device-resolved hit path (issue 14), 0 = off
     };
     /// Device bytes the constructor allocates for `shape` (for the start-up memory check).
     static uint64_t device_bytes_for(const Shape &shape);
@@ -50,9 +52,11 @@ class CudaMoeDevice final : public MoeDevice {
     CudaMoeDevice(const CudaMoeDevice &) = delete;
     CudaMoeDevice &operator=(const CudaMoeDevice &) = delete;
 
-    /// The running layer's router input [n_tok][n_embd] and where combine writes [n_tok][n_embd], on the device.
-    void set_layer(const float *h_dev, float *out_dev) {
+    /// The running layer's router input [n_tok][n_embd], its routed experts [n_tok][top_k] (read by
+    /// launch_device_hits) and where combine writes [n_tok][n_embd], on the device.
+    void set_layer(const float *h_dev, const int32_t *ids_dev, float *out_dev) {
         h_dev_ = h_dev;
+        ids_dev_ = ids_dev;
         out_dev_ = out_dev;
     }
     uint64_t device_bytes() const { return device_bytes_; }
@@ -63,6 +67,9 @@ class CudaMoeDevice final : public MoeDevice {
     void launch_gpu(const MoeStep &s) override;
     float *cpu_out() override { return cpu_out_host_; }
     void combine(const MoeStep &s) override;
+    int64_t device_hits_max_tokens() const override { return shape_.device_hits_tokens; }
+    void launch_device_hits(int32_t layer, int64_t n_tok, std::span<const int32_t> index,
+                            std::span<const void *const> data) override;
 
   private:
     void matmul(const GpuMatrix &w, const float *x, int64_t n_tok, float *y);
@@ -89,7 +96,13 @@ class CudaMoeDevice final : public MoeDevice {
     uint64_t meta_bytes_ = 0;
     size_t meta_used_ = 0;                   // end of the running layer's waves in meta_host_ / meta_dev_
     const float *h_dev_ = nullptr;
+    const int32_t *ids_dev_ = nullptr;
     float *out_dev_ = nullptr;
+    // The device-resolved hit path: the slot table and the groups resolve_device_hits lists.
+    const void **table_dev_ = nullptr;                      // [n_layers * n_experts]
+    const void **hit_w_dev_ = nullptr;                      // [3][n_experts]: gate, up, down of each group
+    int32_t *hit_offsets_dev_ = nullptr;                    // [n_experts + 1]
+    int32_t *hit_rows_dev_ = nullptr;                       // [device_hits_tokens * top_k]
     const int32_t *pair_ids_dev_ = nullptr;
     const float *weights_dev_ = nullptr;
 };

@@ -38,6 +38,10 @@ const char *layer_step_name(LayerStep s) {
     return "?";
 }
 
+void MoeDevice::launch_device_hits(int32_t, int64_t, std::span<const int32_t>, std::span<const void *const>) {
+    PRESCOPE_ASSERT(!"launch_device_hits on a device whose device_hits_max_tokens() is 0");
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // the host device (all-CPU plan)
 
@@ -113,6 +117,12 @@ HybridMoe::HybridMoe(const Model &model, const ExpertStore &store, const Placeme
         pending_gpu_predicted_us_.assign(size_t(hp.n_layer), -1);
     }
     if (engine_) copy_seen_ = engine_->stats();
+    if (cache_) {
+        table_slot_.assign(size_t(hp.n_layer) * E, -1);
+        done_ticket_.assign(size_t(cache_->n_slots()), Ticket{});
+        update_index_.reserve(E);
+        update_data_.reserve(E);
+    }
 }
 
 HybridMoe::~HybridMoe() {
@@ -165,31 +175,33 @@ void HybridMoe::build_step(const Routing &r, std::span<const float> shared_gate)
     s.k_comb = kc;
     s.n_gpu = s.n_cpu = 0;
     s.gpu_offsets[0] = s.cpu_offsets[0] = 0;
-    // GPU experts in wave order, each group in ascending id (the decision's order): wave 0, the FETCH wave
-    // (split), the STREAM experts; so every wave is a contiguous run of experts and pairs.
+    // GPU experts in wave order, each group in ascending id (the decision's order): wave 0 (the hits the device
+    // already ran, then the other hits and the fetches), the FETCH wave (split), the STREAM experts; so every
+    // wave is a contiguous run of experts and pairs, and the device's hits the layout launch_device_hits made.
     auto group = [&](const RoutedExpert &x) {
         switch (x.action) {
-        case ExpertAction::HIT: return 0;
-        case ExpertAction::FETCH: return plan_.split ? 1 : 0;
-        case ExpertAction::STREAM: return 2;
+        case ExpertAction::HIT: return device_hit(x) ? 0 : 1;
+        case ExpertAction::FETCH: return plan_.split ? 2 : 1;
+        case ExpertAction::STREAM: return 3;
         case ExpertAction::CPU: return -1;
         }
         return -1;
     };
-    for (int g = 0; g < 3; ++g) {
+    for (int g = 0; g < 4; ++g) {
         for (const RoutedExpert &x : d.experts) {
             if (group(x) != g) continue;
             const auto e = size_t(x.expert);
-            PRESCOPE_ASSERT(loader_ && (g == 2 || x.slot >= 0));
+            PRESCOPE_ASSERT(loader_ && (g == 3 || x.slot >= 0));
             site_[e] = 1;
             index_[e] = s.n_gpu;
-            s.gpu_expert[size_t(s.n_gpu)] = g == 2 ? nullptr : loader_->slot_data(x.slot);
+            s.gpu_expert[size_t(s.n_gpu)] = g == 3 ? nullptr : loader_->slot_data(x.slot);
             gpu_index_[size_t(s.n_gpu)] = int32_t(&x - d.experts.data());
             s.gpu_offsets[size_t(s.n_gpu) + 1] = s.gpu_offsets[size_t(s.n_gpu)] + x.n_tokens;
             ++s.n_gpu;
         }
-        if (g == 0) n_wave0_ = s.n_gpu;
-        if (g == 1) n_fetch_wave_ = s.n_gpu - n_wave0_;
+        if (g == 0) n_device_ = s.n_gpu;
+        if (g == 1) n_wave0_ = s.n_gpu;
+        if (g == 2) n_fetch_wave_ = s.n_gpu - n_wave0_;
     }
     for (const RoutedExpert &x : d.experts) {
         if (x.action != ExpertAction::CPU) continue;
@@ -226,6 +238,45 @@ void HybridMoe::build_step(const Routing &r, std::span<const float> shared_gate)
             s.weights[size_t(t * kc + k)] = 1.0f / (1.0f + std::exp(-shared_gate[size_t(t)]));
         }
     }
+}
+
+bool HybridMoe::device_hit(const RoutedExpert &x) const {
+    if (device_hits_layer_ != step_.layer) return false;
+    const int32_t slot = table_slot_[size_t(step_.layer) * size_t(model_.hp().n_expert) + size_t(x.expert)];
+    if (slot < 0) return false;
+    // The device ran it from this slot; the plan must agree (a resident expert is always a hit).
+    PRESCOPE_ASSERT(x.action == ExpertAction::HIT && x.slot == slot);
+    return true;
+}
+
+bool HybridMoe::launch_device_hits(int32_t layer, int64_t n_tok) {
+    PRESCOPE_ASSERT(layer >= 0 && layer < model_.hp().n_layer);
+    device_hits_layer_ = -1;
+    if (!cache_ || n_tok <= 0 || n_tok > std::min(max_tokens_, device_.device_hits_max_tokens())) return false;
+    const auto E = size_t(model_.hp().n_expert);
+    update_index_.clear();
+    update_data_.clear();
+    for (size_t e = 0; e < E; ++e) {
+        int32_t slot = cache_->find(layer, int32_t(e));
+        if (slot >= 0) {
+            // Set only once its copy is done (the current occupant's load is never cancelled: a cancel comes
+            // with an eviction), so the device never reads a slot still being written.
+            const Ticket t = cache_->ticket(slot);
+            if (t.valid() && !(t == done_ticket_[size_t(slot)])) {
+                const TicketState st = engine_->state(t);
+                if (st == TicketState::DONE || st == TicketState::RETIRED) done_ticket_[size_t(slot)] = t;
+                else slot = -1;
+            }
+        }
+        const size_t i = size_t(layer) * E + e;
+        if (slot == table_slot_[i]) continue;
+        table_slot_[i] = slot;
+        update_index_.push_back(int32_t(i));
+        update_data_.push_back(slot >= 0 ? cache_->slot_data(slot) : nullptr);
+    }
+    device_.launch_device_hits(layer, n_tok, update_index_, update_data_);
+    device_hits_layer_ = layer;
+    return true;
 }
 
 void HybridMoe::launch(int32_t wave, int32_t begin, int32_t end) {
@@ -351,6 +402,7 @@ void HybridMoe::mark_routing_copied(int32_t layer, Stream stream) {
 void HybridMoe::run_layer(int32_t layer, const float *h, const Routing &r, std::span<const float> shared_gate) {
     PRESCOPE_ASSERT(r.n_tok > 0 && r.n_tok <= max_tokens_ && r.k == model_.hp().n_expert_used);
     PRESCOPE_ASSERT(!shared_on_device_ || shared_gate.size() >= size_t(r.n_tok));
+    PRESCOPE_ASSERT(device_hits_layer_ < 0 || device_hits_layer_ == layer);
     step_layer_ = layer;
     last_step_ = -1;
     layer_t0_us_ = now_us();
@@ -392,7 +444,7 @@ void HybridMoe::run_layer(int32_t layer, const float *h, const Routing &r, std::
     }
     if (timed) backend_->event_record(stall_end_[size_t(layer)], cs);
     step(LayerStep::LAUNCH_WAVE0);
-    launch(0, 0, n_wave0_);
+    launch(0, n_device_, n_wave0_);
     if (planner_ && !predicted) {
         step(LayerStep::PREDICT_AFTER_LAUNCH);
         predict(layer, h, r);
@@ -441,8 +493,10 @@ void HybridMoe::run_layer(int32_t layer, const float *h, const Routing &r, std::
     device_.combine(step_);
 
     step(LayerStep::MEASURE);
+    device_hits_layer_ = -1;
     if (LayerStats *st = stats(layer)) {
         ++st->steps;
+        st->device_hits += uint64_t(n_device_);
         st->host_us += now_us() - layer_t0_us_;
         st->split_steps += plan_.split;
         st->predicted_us += plan_.predicted.critical_us;
@@ -453,7 +507,8 @@ void HybridMoe::run_layer(int32_t layer, const float *h, const Routing &r, std::
     if (timed) {
         timing_pending_[size_t(layer)] = 1;
         pending_cpu_end_us_[size_t(layer)] = cpu_end_us_;
-        pending_simple_[size_t(layer)] = !plan_.split && step_.n_gpu == n_wave0_ && n_wave0_ > 0;
+        // Device hits ran before stall_begin_: the events would time only the rest.
+        pending_simple_[size_t(layer)] = !plan_.split && step_.n_gpu == n_wave0_ && n_wave0_ > 0 && n_device_ == 0;
         double gpu = planner_->state().wave_us;
         for (size_t i = 0; i < d.experts.size(); ++i) {
             if (d.experts[i].action != ExpertAction::CPU) gpu += planner_->state().routed[i].gpu_us;

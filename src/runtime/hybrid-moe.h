@@ -88,6 +88,17 @@ class MoeDevice {
     virtual float *cpu_out() = 0;
     /// Queues out[t] = sum_j weights[t][j] * pair_row(pair_ids[t][j]), j ascending (runtime/moe.h's order).
     virtual void combine(const MoeStep &s) = 0;
+
+    /// The device-resolved hit path (issue 14): most tokens of a layer launch_device_hits takes; 0 = none (the
+    /// host launches every GPU expert once it has read the routing).
+    virtual int64_t device_hits_max_tokens() const { return 0; }
+    /// Queues, in stream order: the slot-table updates table[index[i]] = data[i] (index = layer * n_experts +
+    /// expert; data = the expert's bytes in its slot, or nullptr: not resident for the device), then the products
+    /// of the layer's routed experts (the device's own copy of the routing) whose entry is set, into pair rows
+    /// [0, n) in ascending expert id, each expert's pairs in token order: the layout run_layer then gives the
+    /// first GPU experts of its MoeStep. n_tok in [0, device_hits_max_tokens()]; 0 applies the updates only.
+    virtual void launch_device_hits(int32_t layer, int64_t n_tok, std::span<const int32_t> index,
+                                    std::span<const void *const> data);
 };
 
 /// The device half of the all-CPU plan: no GPU experts; combine on the host into the output set by
@@ -129,6 +140,13 @@ class HybridMoe {
     /// returns; r: the routing (ids, weights) of those tokens; shared_gate: [r.n_tok] shared-expert gate
     /// logits when the device runs the shared expert, else empty. Queues the combined output on the device.
     void run_layer(int32_t layer, const float *h, const Routing &r, std::span<const float> shared_gate);
+    /// Issue 14: before the layer's routing reaches the host, brings the device's slot table up to date with the
+    /// hot-expert table (an entry is set only once its copy is done, cleared once the slot holds another expert
+    /// or is being reloaded) and has the device run the routed experts it holds (MoeDevice::launch_device_hits).
+    /// run_layer(layer) then plans them as hits already computed and launches only the rest. Returns false,
+    /// queueing nothing, without a cache or when the device cannot for n_tok tokens. Call after the layer's
+    /// routing is on the device, before run_layer(layer) with that same routing.
+    bool launch_device_hits(int32_t layer, int64_t n_tok);
     /// Marks, on `stream`, the point where the layer's routing has been copied to the host (call before waiting
     /// for it): the compute stream is idle from there until run_layer queues the layer's first work, which is
     /// LayerStats::gpu_idle_us. Collects the layer's previous timings first when they are complete.
@@ -152,6 +170,7 @@ class HybridMoe {
     void step(LayerStep s);
     void predict(int32_t layer, const float *h, const Routing &r);
     void build_step(const Routing &r, std::span<const float> shared_gate);
+    bool device_hit(const RoutedExpert &x) const;  // x ran in this layer's launch_device_hits
     void launch(int32_t wave, int32_t begin, int32_t end);
     void begin_wave(int32_t first);
     void prefetch();
@@ -176,6 +195,7 @@ class HybridMoe {
     LayerDecision wave_;  // the experts of the next wave (split FETCH or STREAM), as FETCH entries
     MoeStep step_;
     int32_t n_wave0_ = 0;   // GPU experts [0, n_wave0_) of step_ are wave 0
+    int32_t n_device_ = 0;  // of them, [0, n_device_) ran in launch_device_hits
     int32_t n_fetch_wave_ = 0;  // split: the FETCH wave [n_wave0_, n_wave0_ + n_fetch_wave_)
     std::vector<int32_t> gpu_index_;  // [n_experts] plan_.decision.experts index of GPU expert i
     std::vector<int8_t> site_;        // [n_experts] scratch: 0 not routed, 1 GPU, 2 CPU
@@ -198,6 +218,12 @@ class HybridMoe {
     std::vector<double> pending_cpu_end_us_, pending_gpu_predicted_us_;
     std::vector<uint8_t> pending_simple_;                     // [n_layers] one wave, no split: compute is timed
     CopyStats copy_seen_;  // engine counters at the last collect_timings
+    // The device slot table as queued (issue 14).
+    std::vector<int32_t> table_slot_;          // [n_layers * n_experts] slot of each expert, or -1
+    std::vector<Ticket> done_ticket_;          // [n_slots] the last ticket of each slot seen DONE
+    std::vector<int32_t> update_index_;        // [n_experts] scratch: the updates of one launch
+    std::vector<const void *> update_data_;    // [n_experts]
+    int32_t device_hits_layer_ = -1;           // the layer launch_device_hits ran for, until its run_layer
 };
 
 } // namespace prescope

@@ -19,17 +19,22 @@ RoutingReplay::RoutingReplay(const std::string &path, const HParams &hp) : path_
 void RoutingReplay::apply(int64_t layer, Routing &r) {
     const int64_t k = trace_.top_k, n = trace_.n_tokens();
     PRESCOPE_ASSERT(r.k == k && r.ids.size() >= size_t(r.n_tok * k) && r.weights.size() >= size_t(r.n_tok * k));
+    peek_ids(layer, r.n_tok, r.ids.data());
     for (int64_t t = 0; t < r.n_tok; ++t) {
-        const int64_t token = (cursor_ + t) % n;
-        const uint8_t *ids = trace_.ids(token, int32_t(layer)), *q = trace_.gates(token, int32_t(layer));
-        for (int64_t j = 0; j < k; ++j) {
-            r.ids[size_t(t * k + j)] = ids[j];
-            r.weights[size_t(t * k + j)] = float(q[j]) / float(RoutingTrace::GATE_WEIGHT_SCALE);
-        }
+        const uint8_t *q = trace_.gates((cursor_ + t) % n, int32_t(layer));
+        for (int64_t j = 0; j < k; ++j) r.weights[size_t(t * k + j)] = float(q[j]) / float(RoutingTrace::GATE_WEIGHT_SCALE);
     }
     if (layer == n_layer_ - 1) {
         cursor_ = (cursor_ + r.n_tok) % n;
         replayed_ += r.n_tok;
+    }
+}
+
+void RoutingReplay::peek_ids(int64_t layer, int64_t n_tok, int32_t *ids) const {
+    const int64_t k = trace_.top_k, n = trace_.n_tokens();
+    for (int64_t t = 0; t < n_tok; ++t) {
+        const uint8_t *src = trace_.ids((cursor_ + t) % n, int32_t(layer));
+        for (int64_t j = 0; j < k; ++j) ids[t * k + j] = src[j];
     }
 }
 

@@ -22,6 +22,8 @@ class RoutingReplay {
     /// around at the trace's end; weights are the trace's 8-bit gate weights q / 255. The cursor moves past
     /// the batch after the last layer. Never allocates (r's vectors already hold n_tok x k entries).
     void apply(int64_t layer, Routing &r);
+    /// The ids apply(layer, r) gives a batch of n_tok tokens now: ids [n_tok][top_k] (the cursor stays).
+    void peek_ids(int64_t layer, int64_t n_tok, int32_t *ids) const;
     /// Flat trace index of the first token of the batch being replayed.
     int64_t cursor() const { return cursor_; }
     int64_t tokens_replayed() const { return replayed_; }

@@ -187,6 +187,42 @@ TEST(GpuOffload, DecodeWithFewSlotsEqualsAllResidentBitForBit) {
     EXPECT_GT(s.prefetch_loads, 0u);
 }
 
+// Issue 14: with device_hits the GPU runs the routed experts its slot table holds before the host reads the
+// routing, and the host only the rest; the logits stay those of the host-driven path bit for bit, at a budget
+// holding every expert, at one holding a layer's top-k (entries set and cleared as experts come and go), and
+// with routing replayed from a trace (the device resolves the trace's experts, not its router's).
+TEST(GpuOffload, DeviceResolvedHitsChangeNoLogit) {
+    const auto model =
+        Model::load((fs::path(PRESCOPE_SOURCE_DIR) / "tests/data/models/qwen3moe/tiny-q8_0.gguf").string());
+    const HParams &hp = model->hp();
+    RoutingTrace t = test::random_trace(int32_t(hp.n_layer), int32_t(hp.n_expert), int32_t(hp.n_expert_used), {64},
+                                        5, [&hp](int32_t) { return 1.0f / float(hp.n_expert_used); });
+    t.arch = hp.arch;
+    const fs::path trace = fs::temp_directory_path() / ("prescope-test-devhits-" + std::to_string(getpid()) + ".pstrace");
+    write_trace(trace.string(), t);
+    const std::vector<int32_t> prompt{11, 12, 13};
+    for (int64_t slots : {hp.n_expert, hp.n_expert_used}) {
+        for (bool replay : {false, true}) {
+            SCOPED_TRACE(testing::Message() << slots << " slots per layer, replay " << replay);
+            OffloadConfig c = offload(*model, slots, 0, "frequency");
+            if (replay) c.routing_trace = trace.string();
+            c.device_hits = false;
+            GpuContext host(*model, {64, 4}, c);
+            c.device_hits = true;
+            GpuContext dev(*model, {64, 4}, c);
+            const Greedy a = greedy(host, prompt, 24, hp.n_vocab);
+            const Greedy b = greedy(dev, prompt, 24, hp.n_vocab);
+            EXPECT_EQ(a.tokens, b.tokens);
+            EXPECT_EQ(max_abs_diff(a.logits, b.logits), 0.0);
+            EXPECT_EQ(host.cache().total_stats().device_hits, 0u);
+            const LayerStats s = dev.cache().total_stats();
+            EXPECT_GT(s.device_hits, 0u);
+            if (slots == hp.n_expert) EXPECT_GT(s.device_hits, s.hits / 2) << s.device_hits << " of " << s.hits;
+        }
+    }
+    fs::remove(trace);
+}
+
 // A prefill batch of 64 tokens routes more experts than top-k slots per layer hold: they stream through the
 // slots in waves (docs/decisions/0036), on the same kernels and bytes as when every expert is resident.
 TEST(GpuOffload, PrefillStreamedThroughFewSlotsEqualsAllResidentBitForBit) {

@@ -36,44 +36,55 @@ fs::path model_path(const std::string &arch, const std::string &file) {
 class FakeMoeDevice final : public MoeDevice {
   public:
     FakeMoeDevice(FakeBackend &backend, const ExpertStore &store, const Model &model, int64_t max_tokens)
-        : backend_(backend), store_(store), n_embd_(model.hp().n_embd) {
+        : backend_(backend), store_(store), n_embd_(model.hp().n_embd), n_expert_(model.hp().n_expert),
+          k_(model.hp().n_expert_used) {
         compute_ = backend.stream_create();
         const size_t pairs = size_t(max_tokens * model.hp().n_expert_used);
         gpu_out_.resize(pairs * size_t(n_embd_));
         cpu_out_.resize(pairs * size_t(n_embd_));
+        table_.assign(size_t(model.hp().n_layer * n_expert_), nullptr);
     }
     ~FakeMoeDevice() override {
         backend_.stream_synchronize(compute_);
         backend_.stream_destroy(compute_);
     }
-    void set_io(const float *x, float *out) {
+    void set_io(const float *x, float *out, const int32_t *ids) {
         x_ = x;
         out_ = out;
+        ids_ = ids;
     }
     Stream compute_stream() override { return compute_; }
     void launch_gpu(const MoeStep &s) override {
         if (log) log->push_back("launch " + std::to_string(s.wave));
-        const ExpertLayout &layout = store_.layout(s.layer);
-        slot_copies_.resize(size_t(s.n_gpu));
         for (int32_t i = s.wave_begin; i < s.wave_end; ++i) {
-            slot_copies_[size_t(i)].assign(layout.bytes, 0);
-            backend_.copy_d2h_async(slot_copies_[size_t(i)].data(), s.gpu_expert[size_t(i)], layout.bytes, compute_);
-        }
-        backend_.stream_synchronize(compute_);
-        std::vector<float> xg, scratch;
-        for (int32_t i = s.wave_begin; i < s.wave_end; ++i) {
-            const int64_t first = s.gpu_offsets[size_t(i)], m = s.gpu_offsets[size_t(i) + 1] - first;
-            xg.resize(size_t(m * n_embd_));
-            scratch.resize(size_t(m * 2 * layout.n_ff));
-            for (int64_t p = 0; p < m; ++p) {
-                std::memcpy(&xg[size_t(p * n_embd_)], x_ + s.gpu_rows[size_t(first + p)] * n_embd_,
-                            size_t(n_embd_) * 4);
-            }
-            const ExpertViews v = ExpertStore::canonical_views(layout, slot_copies_[size_t(i)].data());
-            cpu_expert_ffn(v.gate, v.up, v.down, 0, xg.data(), m, scratch.data(), &gpu_out_[size_t(first * n_embd_)]);
+            const int32_t first = s.gpu_offsets[size_t(i)];
+            run_expert(s.layer, s.gpu_expert[size_t(i)], &s.gpu_rows[size_t(first)], s.gpu_offsets[size_t(i) + 1] - first,
+                       first);
         }
         ++launches_;
         waves_ = std::max(waves_, s.wave + 1);
+    }
+    int64_t device_hits_max_tokens() const override { return device_hits_tokens; }
+    // The device's side of the hit path, computed from its own table and routing, in MoeDevice's layout.
+    void launch_device_hits(int32_t layer, int64_t n_tok, std::span<const int32_t> index,
+                            std::span<const void *const> data) override {
+        if (log) log->push_back("device-hits");
+        ASSERT_EQ(index.size(), data.size());
+        ASSERT_LE(n_tok, device_hits_tokens);
+        for (size_t i = 0; i < index.size(); ++i) table_[size_t(index[i])] = data[i];
+        int32_t pair = 0;
+        std::vector<int32_t> rows;
+        for (int64_t e = 0; e < n_expert_; ++e) {
+            const void *slot = table_[size_t(layer * n_expert_ + e)];
+            rows.clear();
+            for (int64_t p = 0; slot != nullptr && p < n_tok * k_; ++p) {
+                if (ids_[p] == e) rows.push_back(int32_t(p / k_));
+            }
+            if (rows.empty()) continue;
+            run_expert(layer, slot, rows.data(), int64_t(rows.size()), pair);
+            pair += int32_t(rows.size());
+        }
+        device_pairs_ += pair;
     }
     float *cpu_out() override { return cpu_out_.data(); }
     void combine(const MoeStep &s) override {
@@ -92,19 +103,38 @@ class FakeMoeDevice final : public MoeDevice {
         }
     }
     int launches() const { return launches_; }
+    int64_t device_pairs() const { return device_pairs_; }
+    int64_t device_hits_tokens = 0;             // device_hits_max_tokens()
     int most_waves() const { return waves_; }  // most launches of one layer
     std::vector<std::string> *log = nullptr;    // device calls, when a test records them
 
   private:
+    // Pair rows [first, first + m) of gpu_out_ = the expert in `slot` (read through the compute stream, so after
+    // the waits queued on it) applied to x_ rows rows[0..m).
+    void run_expert(int32_t layer, const void *slot, const int32_t *rows, int64_t m, int64_t first) {
+        const ExpertLayout &layout = store_.layout(layer);
+        slot_copy_.assign(layout.bytes, 0);
+        backend_.copy_d2h_async(slot_copy_.data(), slot, layout.bytes, compute_);
+        backend_.stream_synchronize(compute_);
+        xg_.resize(size_t(m * n_embd_));
+        scratch_.resize(size_t(m * 2 * layout.n_ff));
+        for (int64_t p = 0; p < m; ++p) std::memcpy(&xg_[size_t(p * n_embd_)], x_ + rows[p] * n_embd_, size_t(n_embd_) * 4);
+        const ExpertViews v = ExpertStore::canonical_views(layout, slot_copy_.data());
+        cpu_expert_ffn(v.gate, v.up, v.down, 0, xg_.data(), m, scratch_.data(), &gpu_out_[size_t(first * n_embd_)]);
+    }
+
     FakeBackend &backend_;
     const ExpertStore &store_;
-    int64_t n_embd_;
+    int64_t n_embd_, n_expert_, k_;
     Stream compute_ = nullptr;
     const float *x_ = nullptr;
     float *out_ = nullptr;
-    std::vector<std::vector<uint8_t>> slot_copies_;
-    std::vector<float> gpu_out_, cpu_out_;
+    const int32_t *ids_ = nullptr;
+    std::vector<const void *> table_;  // [n_layers * n_experts] the device slot table
+    std::vector<uint8_t> slot_copy_;
+    std::vector<float> gpu_out_, cpu_out_, xg_, scratch_;
     int launches_ = 0, waves_ = 0;
+    int64_t device_pairs_ = 0;
 };
 
 // The CPU Context's expert executor, routed through HybridMoe and the fake device.
@@ -112,7 +142,8 @@ class HybridExecutor final : public ExpertExecutor {
   public:
     HybridExecutor(HybridMoe &moe, FakeMoeDevice &device) : moe_(moe), device_(device) {}
     void run(int64_t layer, const float *x, const Routing &r, float *out) override {
-        device_.set_io(x, out);
+        device_.set_io(x, out, r.ids.data());
+        moe_.launch_device_hits(int32_t(layer), r.n_tok);
         moe_.run_layer(int32_t(layer), x, r, {});
     }
 
@@ -131,6 +162,7 @@ struct Options {
     int32_t stream_min_batch = 32;  // never reached by kBatch unless lowered
     const CostProfile *profile = nullptr;  // null: the H200 reference
     bool balance = true;
+    int64_t device_hits_tokens = 0;  // the fake device's device_hits_max_tokens()
 };
 
 // Everything the offloaded run needs, in construction order.
@@ -158,6 +190,7 @@ struct Rig {
                 PredictorShape{c.n_layers, c.n_experts, c.top_k}, 1.0, int32_t(max_tokens), o.prefetch_window);
         }
         device = std::make_unique<FakeMoeDevice>(backend, store, model, max_tokens);
+        device->device_hits_tokens = o.device_hits_tokens;
         HybridMoeConfig hc;
         hc.planner.cpu_threshold = o.cpu_threshold;
         hc.planner.stream_min_batch = o.stream_min_batch;
@@ -245,6 +278,32 @@ TEST_P(HybridModels, OffloadedLogitsEqualTheCpuExecutorAtEveryBudget) {
         expect_bitwise_equal(run_tokens(*model, rig.executor.get(), 6), ref);
         EXPECT_GT(rig.device->launches(), 0);
         EXPECT_EQ(rig.store.pin_refused(), !o.allow_pin);
+    }
+}
+
+TEST_P(HybridModels, DeviceResolvedHitsEqualTheCpuExecutorAtEveryBudget) {
+    // Issue 14: the device runs the routed experts its slot table holds before the host plans the rest. The
+    // fake device computes them from its own table and routing in MoeDevice's layout, so a table entry set too
+    // early, left stale after an eviction, or a layout the host's MoeStep does not share changes the logits.
+    const auto model = Model::load(model_path(GetParam(), "tiny-f32.gguf").string());
+    const std::vector<float> ref = run_tokens(*model, nullptr, 6);
+    const int32_t k = int32_t(model->hp().n_expert_used);
+    for (int64_t tokens : {int64_t(1), kBatch}) {
+        for (Options o : {Options{}, Options{k, 0, 0}, Options{k + 1, 0, 2, true}, Options{k, -1, 1, true},
+                          Options{k + 2, -1, 3, true, false, EvictionPolicyKind::ARC}}) {
+            o.device_hits_tokens = tokens;
+            SCOPED_TRACE(testing::Message() << "device tokens " << tokens << ", slots/layer " << o.slots_per_layer
+                                            << ", cpu_threshold " << o.cpu_threshold << ", window " << o.prefetch_window);
+            Rig rig(*model, o, kBatch);
+            expect_bitwise_equal(run_tokens(*model, rig.executor.get(), 6), ref);
+            const LayerStats t = rig.cache->total_stats();
+            EXPECT_LE(t.device_hits, t.hits);
+            EXPECT_GT(rig.device->device_pairs(), 0);
+            if (o.slots_per_layer == 0) {
+                // Every expert fits: after its first use each one is the device's.
+                EXPECT_GT(t.device_hits, t.hits / 2) << t.device_hits << " of " << t.hits;
+            }
+        }
     }
 }
 
@@ -337,7 +396,7 @@ std::vector<std::string> steps_of(Rig &rig, int32_t layer, const Routing &r, int
     rig.moe->on_step = [&](int32_t, LayerStep s) { log.push_back(layer_step_name(s)); };
     rig.device->log = &log;
     std::vector<float> h(size_t(r.n_tok * n_embd), 0.25f), out(h.size());
-    rig.device->set_io(h.data(), out.data());
+    rig.device->set_io(h.data(), out.data(), nullptr);
     rig.moe->run_layer(layer, h.data(), r, {});
     rig.device->log = nullptr;
     rig.moe->on_step = nullptr;
@@ -468,7 +527,7 @@ TEST(HybridMoe, StepPairsCoverEveryTokenSlotOnceGpuPairsFirst) {
         for (int64_t j = 0; j < k; ++j) r.weights.push_back(0.1f * float(j + 1));
     }
     std::vector<float> h(size_t(n_tok * model->hp().n_embd), 0.25f), out(h.size());
-    rig.device->set_io(h.data(), out.data());
+    rig.device->set_io(h.data(), out.data(), nullptr);
     rig.moe->run_layer(1, h.data(), r, {});
     const MoeStep &s = rig.moe->last_step();
     EXPECT_EQ(s.n_gpu, 1);

@@ -44,6 +44,8 @@ constexpr std::array kFlags = {
              "expert store and CPU expert threads: gpu (the GPU's node), distribute, isolate or numactl (as llama.cpp)"},
     FlagSpec{"--dump-layer-states", "dump_layer_states",
              "write every layer's scheduler state to FILE (JSON lines, for prescope schedule-check)"},
+    FlagSpec{"--device-hits", "device_hits",
+             "on or off: the GPU runs the routed experts it holds before the host reads the routing (decode)"},
 };
 
 } // namespace

@@ -455,19 +455,24 @@ void matmul(DType type, const void *w, int64_t n_in, int64_t n_out, const float 
     matmul_parts(std::span<const MatmulPart>(&part, 1), n_in, x, n_tok, ws, stream, path);
 }
 
+int device_resolved_max_pairs(DType type) {
+    return resolve_path(MatmulPath::AUTO) == MatmulPath::CUBLAS ? 0 : matmul_gemv_max_tokens(type);
+}
+
 int64_t expert_matmul_pairs(const ExpertMatmul &g) {
+    if (g.offsets_host == nullptr) return g.n_pairs_max;
     return g.n_expert > 0 ? g.offsets_host[g.n_expert] : 0;
 }
 
 size_t expert_matmul_workspace_bytes(const ExpertMatmul &g, MatmulPath path) {
-    if (g.w2_host != nullptr && g.type2 != g.type) {
+    if (g.w2_dev != nullptr && g.type2 != g.type) {
         const size_t a = expert_matmul_workspace_bytes(first_list(g), path);
         const size_t b = expert_matmul_workspace_bytes(second_list(g), path);
         return a > b ? a : b;
     }
     path = resolve_path(path);
     const size_t q = quant_bytes(g.type, g.n_in, expert_matmul_pairs(g));
-    if (path == MatmulPath::GEMV) return q;
+    if (path == MatmulPath::GEMV || g.offsets_host == nullptr) return q;
     const int limit = path == MatmulPath::CUBLAS ? 0 : matmul_gemv_max_tokens(g.type);
     bool any_cublas = false;
     for (int32_t e = 0; e < g.n_expert; ++e) any_cublas |= g.offsets_host[e + 1] - g.offsets_host[e] > limit;
@@ -480,10 +485,14 @@ void expert_matmul(const ExpertMatmul &g, const float *x, float *y, Workspace ws
                    MatmulPath path, float *y2) {
     CUDA_ASSERT(g.n_expert >= 0 && g.n_expert <= 65535);
     if (g.n_expert == 0) return;
-    CUDA_ASSERT(g.offsets_host != nullptr && g.offsets_host[0] == 0 && g.w_host != nullptr);
+    const bool resolved = g.offsets_host == nullptr;  // groups known to the device only
+    CUDA_ASSERT(resolved ? g.w_host == nullptr && g.w2_host == nullptr && g.max_group_pairs >= 1 &&
+                               g.max_group_pairs <= device_resolved_max_pairs(g.type) && g.n_pairs_max >= 0
+                         : g.offsets_host[0] == 0 && g.w_host != nullptr);
     CUDA_ASSERT(reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(y) % 16 == 0);
-    const bool two = g.w2_host != nullptr;
-    CUDA_ASSERT(two == (g.w2_dev != nullptr) && two == (y2 != nullptr));
+    const bool two = g.w2_dev != nullptr;
+    CUDA_ASSERT(resolved || two == (g.w2_host != nullptr));
+    CUDA_ASSERT(two == (y2 != nullptr));
     CUDA_ASSERT(reinterpret_cast<uintptr_t>(y2) % 16 == 0);
     if (two && g.type2 != g.type) {  // different activation quantizations: one call per list
         expert_matmul(first_list(g), x, y, ws, stream, path);
@@ -491,12 +500,12 @@ void expert_matmul(const ExpertMatmul &g, const float *x, float *y, Workspace ws
         return;
     }
     path = resolve_path(path);
-    const int limit = path == MatmulPath::GEMV     ? INT32_MAX
-                      : path == MatmulPath::CUBLAS ? 0
-                                                   : matmul_gemv_max_tokens(g.type);
-    int max_small = 0;  // most pairs of an expert on the GEMV path
+    const int limit = path == MatmulPath::GEMV || resolved ? INT32_MAX
+                      : path == MatmulPath::CUBLAS         ? 0
+                                                           : matmul_gemv_max_tokens(g.type);
+    int max_small = resolved ? g.max_group_pairs : 0;  // most pairs of an expert on the GEMV path
     bool any_cublas = false;
-    for (int32_t e = 0; e < g.n_expert; ++e) {
+    for (int32_t e = 0; e < (resolved ? 0 : g.n_expert); ++e) {
         const int32_t n = g.offsets_host[e + 1] - g.offsets_host[e];
         CUDA_ASSERT(n >= 0);
         if (n == 0) continue;

@@ -90,9 +90,19 @@ struct ExpertMatmul {
     DType type2 = DType::Q8_0;
     const void *const *w2_dev = nullptr;
     const void *const *w2_host = nullptr;
+    // Device-resolved groups (offsets_host, w_host and w2_host all nullptr; issue 14): the offsets and matrices
+    // exist only on the device (resolve_device_hits in moe.cuh wrote them), so the call covers at most
+    // n_pairs_max pairs, no group has more than max_group_pairs (1..device_resolved_max_pairs(type)), and it
+    // takes the GEMV path; groups past the last are empty.
+    int64_t n_pairs_max = 0;
+    int32_t max_group_pairs = 0;
 };
 
-/// Pairs in the call (offsets_host[n_expert]).
+/// Most pairs a group of a device-resolved ExpertMatmul may have for weights of `type`: the GEMV path's
+/// limit (matmul_gemv_max_tokens), or 0 when PRESCOPE_CUDA_MATMUL=cublas forces the cuBLAS path.
+int device_resolved_max_pairs(DType type);
+
+/// Pairs in the call (offsets_host[n_expert]; n_pairs_max for device-resolved groups).
 int64_t expert_matmul_pairs(const ExpertMatmul &g);
 
 /// Workspace bytes expert_matmul needs for g (0 when every expert takes the GEMV path and activations

@@ -117,7 +117,90 @@ __global__ void __launch_bounds__(kCombineThreads)
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// device-resolved hits: one block; thread i owns experts [i * C, (i + 1) * C), C = ceil(n_expert / 256), and the
+// block scans their pair and group counts (Hillis-Steele) to number groups and pairs in ascending expert id.
+
+constexpr int kResolveThreads = 256;
+constexpr int kResolveMaxPerThread = 4;  // 1024 experts
+constexpr int kUpdatesPerLaunch = 64;
+
+struct UpdateBatch {
+    int32_t n;
+    int32_t index[kUpdatesPerLaunch];
+    const void *data[kUpdatesPerLaunch];
+};
+
+__global__ void __launch_bounds__(kResolveThreads) resolve_device_hits_kernel(const DeviceHitsArgs a, const UpdateBatch u) {
+    __shared__ int32_t s_pairs[kResolveThreads], s_groups[kResolveThreads];
+    const int tid = int(threadIdx.x);
+    for (int i = tid; i < u.n; i += kResolveThreads) a.table[u.index[i]] = u.data[i];
+    __syncthreads();  // the block's global writes are visible to the block from here
+    const int n_pairs = int(a.n_tok * a.k);
+    if (n_pairs == 0) return;  // uniform
+    const void *const *row = a.table + a.layer * a.n_expert;
+    const int per = (a.n_expert + kResolveThreads - 1) / kResolveThreads, e0 = tid * per;
+    int count[kResolveMaxPerThread];
+    int my_pairs = 0, my_groups = 0;
+    for (int i = 0; i < per; ++i) {
+        const int e = e0 + i;
+        count[i] = 0;
+        if (e >= a.n_expert || row[e] == nullptr) continue;
+        for (int p = 0; p < n_pairs; ++p) count[i] += a.ids[p] == e;
+        my_pairs += count[i];
+        my_groups += count[i] > 0;
+    }
+    s_pairs[tid] = my_pairs;
+    s_groups[tid] = my_groups;
+    __syncthreads();
+    for (int d = 1; d < kResolveThreads; d *= 2) {
+        const int vp = tid >= d ? s_pairs[tid - d] : 0, vg = tid >= d ? s_groups[tid - d] : 0;
+        __syncthreads();
+        s_pairs[tid] += vp;
+        s_groups[tid] += vg;
+        __syncthreads();
+    }
+    int pair = s_pairs[tid] - my_pairs, group = s_groups[tid] - my_groups;
+    const int total_pairs = s_pairs[kResolveThreads - 1], total_groups = s_groups[kResolveThreads - 1];
+    for (int i = 0; i < per; ++i) {
+        if (count[i] == 0) continue;
+        const int e = e0 + i;
+        const auto *w = static_cast<const uint8_t *>(row[e]);
+        a.gate_w[group] = w;
+        a.up_w[group] = w + a.up_offset;
+        a.down_w[group] = w + a.down_offset;
+        a.offsets[group++] = pair;
+        for (int p = 0; p < n_pairs; ++p) {
+            if (a.ids[p] == e) a.rows[pair++] = int32_t(p / a.k);
+        }
+    }
+    const int n_groups = n_pairs < a.n_expert ? n_pairs : a.n_expert;
+    for (int g = total_groups + tid; g <= n_groups; g += kResolveThreads) a.offsets[g] = total_pairs;
+    for (int q = total_pairs + tid; q < n_pairs; q += kResolveThreads) a.rows[q] = 0;
+}
+
 } // namespace
+
+void resolve_device_hits(const DeviceHitsArgs &args, const int32_t *index, const void *const *data, int64_t n_updates,
+                         cudaStream_t stream) {
+    CUDA_ASSERT(args.n_expert >= 1 && args.n_expert <= kResolveThreads * kResolveMaxPerThread);
+    CUDA_ASSERT(args.n_tok >= 0 && args.k >= 1 && args.n_tok * args.k < INT_MAX && n_updates >= 0);
+    // Every batch but the last only updates the table; the last one resolves too.
+    int64_t done = 0;
+    do {
+        UpdateBatch u{};
+        u.n = int32_t(n_updates - done < kUpdatesPerLaunch ? n_updates - done : kUpdatesPerLaunch);
+        for (int32_t i = 0; i < u.n; ++i) {
+            u.index[i] = index[done + i];
+            u.data[i] = data[done + i];
+        }
+        done += u.n;
+        DeviceHitsArgs a = args;
+        if (done < n_updates) a.n_tok = 0;
+        resolve_device_hits_kernel<<<1, kResolveThreads, 0, stream>>>(a, u);
+    } while (done < n_updates);
+    launch_check("resolve_device_hits", stream);
+}
 
 void router_topk(const float *logits, int64_t n_tok, int64_t n_expert, int64_t k, bool renorm, float *probs,
                  int32_t *ids, float *weights, cudaStream_t stream) {

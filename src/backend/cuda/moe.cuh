@@ -27,4 +27,28 @@ void router_topk(const float *logits, int64_t n_tok, int64_t n_expert, int64_t k
 void moe_combine(const float *y, const int32_t *pair_ids, const float *weights, int64_t n_tok, int64_t k,
                  int64_t n_embd, bool accumulate, float *out, cudaStream_t stream);
 
+/// The device-resolved hit path (issue 14): the experts of one layer that the device runs without the host.
+struct DeviceHitsArgs {
+    const void **table = nullptr;      // device [n_layers * n_expert]: each expert's slot bytes, or nullptr
+    int64_t layer = 0;
+    int32_t n_expert = 0;              // <= 1024
+    const int32_t *ids = nullptr;      // device [n_tok][k]: the layer's routed experts
+    int64_t n_tok = 0, k = 0;
+    int64_t up_offset = 0, down_offset = 0;  // bytes from an expert's start to its up and down matrices
+    // Outputs, device: n_groups = min(n_expert, n_tok * k) groups, n_tok * k pairs.
+    const void **gate_w = nullptr, **up_w = nullptr, **down_w = nullptr;  // [n_groups]
+    int32_t *offsets = nullptr;        // [n_groups + 1]
+    int32_t *rows = nullptr;           // [n_tok * k]
+};
+
+/// Applies the updates table[index[i]] = data[i] (an expert's slot bytes, or nullptr: not resident for the device),
+/// i < n_updates (host arrays, read before the call returns), to args.table in stream order, then lists the routed experts of args.layer whose table
+/// entry is set, in ascending id, as groups of an ExpertMatmul whose offsets live on the device only: group g
+/// = the g-th such expert, its pairs its (token, slot) pairs in token order (rows = the token), pairs numbered
+/// from 0 group by group; groups past the last are empty (offsets = the pair count), rows past the last pair
+/// are 0. This is the layout HybridMoe::build_step gives device hits. With n_tok == 0 only the updates apply.
+/// Asynchronous on `stream`; any number of updates (a launch per 64).
+void resolve_device_hits(const DeviceHitsArgs &args, const int32_t *index, const void *const *data, int64_t n_updates,
+                         cudaStream_t stream);
+
 } // namespace prescope::cuda
