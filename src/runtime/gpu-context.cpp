@@ -487,7 +487,7 @@ void GpuContext::forward_pass(const int32_t *tokens, int64_t n, std::span<const 
     const auto n_rows = int64_t(out_rows.size());
     for (int64_t i = 0; i < n_rows; ++i) tok_host_[3 * nb + i] = int32_t(out_rows[size_t(i)]);
     size_t n_ints = size_t(4 * nb);
-    if (replay_ && n <= device_hits_tokens_) {
+    if (replay_on_device(n)) {
         // [n_layer][n][k] after the four rows: the experts launch_device_hits resolves at each layer.
         for (int64_t il = 0; il < hp.n_layer; ++il) replay_->peek_ids(il, n, tok_host_ + replay_ids(il, n));
         n_ints += size_t(hp.n_layer * n * hp.n_expert_used);
@@ -573,7 +573,7 @@ void GpuContext::moe_block(int64_t il, int64_t n) {
         backend_->copy_d2h_async(routing_host_, routing_dev_, b.bytes, compute_);
         backend_->event_record(routing_ready_, compute_);
         const auto *ids_dev = reinterpret_cast<const int32_t *>(routing_dev_ + b.ids);
-        moe_device_->set_layer(h, replay_ && n <= device_hits_tokens_ ? tok_dev_ + replay_ids(il, n) : ids_dev, tmp_);
+        moe_device_->set_layer(h, replay_on_device(n) ? tok_dev_ + replay_ids(il, n) : ids_dev, tmp_);
         if (!routing_override) moe_->launch_device_hits(int32_t(il), n);
         moe_->mark_routing_copied(int32_t(il), compute_);
         backend_->event_synchronize(routing_ready_);

@@ -76,6 +76,9 @@ class GpuContext final : public Engine {
     RoutingBlock routing_block(int64_t n_tok) const;
     /// Offset in tok_dev_ / tok_host_ (int32 elements) of the replayed experts of `layer` for a pass of n_tok.
     int64_t replay_ids(int64_t layer, int64_t n_tok) const;
+    /// A pass of n_tok tokens replays a trace and takes the device-resolved hit path: the trace's experts go up
+    /// with the tokens (replay_ids) and the device resolves those.
+    bool replay_on_device(int64_t n_tok) const { return replay_ && n_tok <= device_hits_tokens_; }
     void upload_weights();
     /// One forward pass over tokens[0, n) made of `runs`; logits_out receives [out_rows][n_vocab].
     void forward_pass(const int32_t *tokens, int64_t n, std::span<const SeqRun> runs,

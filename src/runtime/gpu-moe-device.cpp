@@ -183,30 +183,16 @@ void CudaMoeDevice::launch_gpu(const MoeStep &s) {
     meta_used_ = off;
 
     if (n_gpu > 0) {
-        float *gate = gate_ + int64_t(pair0) * x.n_ff, *up = up_ + int64_t(pair0) * x.n_ff;
         cuda::ExpertMatmul g;
         g.n_expert = n_gpu;
         g.offsets_dev = reinterpret_cast<const int32_t *>(meta_dev_ + o_off);
         g.offsets_host = offsets;
         g.rows_dev = reinterpret_cast<const int32_t *>(meta_dev_ + o_rows);
-        g.n_in = n_embd;
-        g.n_out = x.n_ff;
-        g.type = x.gate_type;
-        g.w_dev = reinterpret_cast<const void *const *>(meta_dev_ + o_gate);
-        g.w_host = gate_w;
-        g.type2 = x.up_type;
-        g.w2_dev = reinterpret_cast<const void *const *>(meta_dev_ + o_up);
-        g.w2_host = up_w;
-        cuda::expert_matmul(g, h_dev_, gate, ws_, st, cuda::MatmulPath::AUTO, up);
-        cuda::swiglu(gate, up, gate, n_pairs * x.n_ff, st);
-        g.type = x.down_type;
-        g.n_in = x.n_ff;
-        g.n_out = n_embd;
-        g.rows_dev = nullptr;  // the intermediates are already in pair order
-        g.w_dev = reinterpret_cast<const void *const *>(meta_dev_ + o_down);
-        g.w_host = down_w;
-        g.w2_dev = g.w2_host = nullptr;
-        cuda::expert_matmul(g, gate, pairs_ + int64_t(pair0) * n_embd, ws_, st);
+        const ExpertLists w{{reinterpret_cast<const void *const *>(meta_dev_ + o_gate),
+                             reinterpret_cast<const void *const *>(meta_dev_ + o_up),
+                             reinterpret_cast<const void *const *>(meta_dev_ + o_down)},
+                            {gate_w, up_w, down_w}};
+        expert_ffn(x, g, w, pair0, n_pairs);
     }
     if (s.wave == 0 && s.k_comb > s.k) {
         const GpuSharedExpert &l = shared_[size_t(s.layer)];
@@ -242,29 +228,39 @@ void CudaMoeDevice::launch_device_hits(int32_t layer, int64_t n_tok, std::span<c
     cuda::resolve_device_hits(a, index.data(), data.data(), int64_t(index.size()), st);
     if (n_tok == 0) return;
 
-    // The grouped products of wave 0 with the groups known to the device only: a GEMV block per group and row
-    // block, the empty groups leaving at once; pair rows [0, n) as the host's layout numbers them.
+    // The grouped products with the groups known to the device only: a GEMV block per group and row block, the
+    // empty groups leaving at once; pair rows [0, n) as the host's layout numbers them.
     cuda::ExpertMatmul g;
     g.n_expert = int32_t(std::min(E, n_pairs));
     g.offsets_dev = hit_offsets_dev_;
     g.rows_dev = hit_rows_dev_;
     g.n_pairs_max = n_pairs;
     g.max_group_pairs = int32_t(n_tok);
+    expert_ffn(x, g, ExpertLists{{a.gate_w, a.up_w, a.down_w}, {}}, 0, n_pairs);
+}
+
+void CudaMoeDevice::expert_ffn(const ExpertLayout &x, cuda::ExpertMatmul g, const ExpertLists &w, int64_t pair0,
+                               int64_t n_pairs) {
+    const cudaStream_t st = stream();
+    float *gate = gate_ + pair0 * x.n_ff, *up = up_ + pair0 * x.n_ff;
     g.n_in = shape_.n_embd;
     g.n_out = x.n_ff;
     g.type = x.gate_type;
-    g.w_dev = a.gate_w;
+    g.w_dev = w.dev[0];
+    g.w_host = w.host[0];
     g.type2 = x.up_type;
-    g.w2_dev = a.up_w;
-    cuda::expert_matmul(g, h_dev_, gate_, ws_, st, cuda::MatmulPath::AUTO, up_);
-    cuda::swiglu(gate_, up_, gate_, n_pairs * x.n_ff, st);
+    g.w2_dev = w.dev[1];
+    g.w2_host = w.host[1];
+    cuda::expert_matmul(g, h_dev_, gate, ws_, st, cuda::MatmulPath::AUTO, up);
+    cuda::swiglu(gate, up, gate, n_pairs * x.n_ff, st);
     g.type = x.down_type;
     g.n_in = x.n_ff;
     g.n_out = shape_.n_embd;
-    g.rows_dev = nullptr;
-    g.w_dev = a.down_w;
-    g.w2_dev = nullptr;
-    cuda::expert_matmul(g, gate_, pairs_, ws_, st);
+    g.rows_dev = nullptr;  // the intermediates are already in pair order
+    g.w_dev = w.dev[2];
+    g.w_host = w.host[2];
+    g.w2_dev = g.w2_host = nullptr;
+    cuda::expert_matmul(g, gate, pairs_ + pair0 * shape_.n_embd, ws_, st);
 }
 
 void CudaMoeDevice::combine(const MoeStep &s) {

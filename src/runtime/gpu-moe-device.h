@@ -6,6 +6,7 @@
 
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/cuda-backend.h"
+#include "backend/cuda/matmul.cuh"
 #include "offload/expert-store.h"
 #include "runtime/hybrid-moe.h"
 
@@ -73,6 +74,16 @@ class CudaMoeDevice final : public MoeDevice {
 
   private:
     void matmul(const GpuMatrix &w, const float *x, int64_t n_tok, float *y);
+    /// Each expert's gate, up and down matrices: device lists and their host copies (all null for groups the
+    /// device resolved itself, cuda::ExpertMatmul's device-resolved mode).
+    struct ExpertLists {
+        const void *const *dev[3];
+        const void *const *host[3];
+    };
+    /// The routed FFN of g's groups (g: the group fields set, offsets, rows, counts): gate and up over the router
+    /// input, SwiGLU, down, into pair rows [pair0, pair0 + n_pairs) of the pair buffer; intermediates in the
+    /// same rows of gate_ / up_. Async on the compute stream.
+    void expert_ffn(const ExpertLayout &x, cuda::ExpertMatmul g, const ExpertLists &w, int64_t pair0, int64_t n_pairs);
     cudaStream_t stream() const { return CudaBackend::cuda_stream(compute_); }
 
     CudaBackend &backend_;
