@@ -81,8 +81,8 @@ class CpuEngine final : public Engine {
 /// when config.gpu is set in a build without CUDA or on a machine without a CUDA device.
 std::unique_ptr<Engine> make_engine(const Model &model, ContextParams params, const OffloadConfig &config);
 
-/// What the GPU layer step (GpuContext) does not have yet of this model's architecture, in words ("MLA
-/// attention", "attention sinks", ...; decisions 0121, 0140); empty when GpuContext runs it.
+/// What the GPU layer step (GpuContext) does not have yet of this model's architecture, in words ("attention
+/// sinks", ...; gpt-oss, decision 0140); empty when GpuContext runs it (deepseek2 since decision 0136).
 std::vector<std::string> gpu_missing_features(const HParams &hp);
 /// Throws prescope::Error, one line naming the file, the architecture and gpu_missing_features, when that list
 /// is not empty (GpuContext calls it first: running such a model anyway would give wrong tokens silently).

@@ -124,7 +124,8 @@ void GpuContext::init() {
     sc.pinned.assign(size_t(L) * size_t(E), 1);
     for (size_t i = 0; i < sc.fetchable.size(); ++i) {
         const ExpertPlacement &p = plan_.experts[i];
-        sc.fetchable[i] = config.gpu_cache_bytes > 0 && p.exec != ExecSite::CPU;
+        const bool dense = int64_t(i) / E < hp.n_layer_dense;  // a dense layer has no experts to fetch
+        sc.fetchable[i] = config.gpu_cache_bytes > 0 && p.exec != ExecSite::CPU && !dense;
         sc.pinned[i] = p.home != HomeTier::MMAP;
     }
 
@@ -138,7 +139,7 @@ void GpuContext::init() {
     int64_t n_ff = 0;
     {
         std::vector<uint64_t> bytes(size_t(L) * size_t(E));
-        for (int32_t l = 0; l < L; ++l) {
+        for (int32_t l = int32_t(hp.n_layer_dense); l < L; ++l) {  // dense layers: no experts, 0 bytes
             const ExpertLayout x = ExpertLayout::of(model, l);
             n_ff = std::max(n_ff, x.n_ff);
             std::fill_n(bytes.begin() + ptrdiff_t(size_t(l) * size_t(E)), E, x.bytes);
@@ -166,7 +167,7 @@ void GpuContext::init() {
     moe_shape.n_layers = L;
     // The device-resolved hit path takes batches each of whose experts fit the GEMV path (decode sizes).
     device_hits_tokens_ = config.device_hits && cc.budget_bytes > 0 ? nb : 0;
-    for (int32_t l = 0; l < L; ++l) {
+    for (int32_t l = int32_t(hp.n_layer_dense); l < L; ++l) {
         const ExpertLayout x = ExpertLayout::of(model, l);
         for (DType t : {x.gate_type, x.up_type, x.down_type}) {
             device_hits_tokens_ = std::min<int64_t>(device_hits_tokens_, cuda::device_resolved_max_pairs(t));
@@ -180,14 +181,28 @@ void GpuContext::init() {
     // Workspace: the largest any op of a batch asks for (ops run in stream order and share it).
     size_t ws = 0;
     auto need = [&](size_t b) { ws = std::max(ws, b); };
+    const int64_t H = hp.n_head;
     for (const DevLayer &l : layers_) {
         for (const DevMatrix *m : {&l.wq, &l.wk, &l.wv, &l.wo, &l.gate_inp, &l.gate_shexp, &l.up_shexp,
-                                   &l.down_shexp, &l.gate_inp_shexp}) {
+                                   &l.down_shexp, &l.gate_inp_shexp, &l.wq_a, &l.wq_b, &l.wkv_a, &l.ffn_gate,
+                                   &l.ffn_up, &l.ffn_down}) {
             if (!m->empty()) need(cuda::matmul_workspace_bytes(m->type, m->n_in, m->n_out, nb));
+        }
+        for (const DevMatrix *m : {&l.wk_b, &l.wv_b}) {
+            if (m->empty()) continue;
+            // The heads' products as one grouped matmul: at most what every pair on one matrix needs.
+            const int32_t offsets[2] = {0, int32_t(nb * H)};
+            cuda::ExpertMatmul g;
+            g.type = m->type;
+            g.n_in = m->n_in;
+            g.n_out = m->n_out;
+            g.n_expert = 1;
+            g.offsets_host = offsets;
+            need(cuda::expert_matmul_workspace_bytes(g, cuda::MatmulPath::CUBLAS));
         }
     }
     need(cuda::matmul_workspace_bytes(output_.type, output_.n_in, output_.n_out, kLogitRows));
-    for (int32_t l = 0; l < L; ++l) {
+    for (int32_t l = int32_t(hp.n_layer_dense); l < L; ++l) {
         const ExpertLayout x = ExpertLayout::of(model, l);
         const int32_t offsets[2] = {0, int32_t(pairs)};
         cuda::ExpertMatmul g;
@@ -202,8 +217,12 @@ void GpuContext::init() {
         }
     }
     for (int64_t t = 1; t <= nb; t = t * 2 > nb && t < nb ? nb : t * 2) {
-        need(cuda::attention_workspace_bytes(t, params_.n_ctx - t, hp.n_head, hp.n_head_kv, hp.head_dim));
+        need(hp.mla ? cuda::attention_latent_workspace_bytes(t, params_.n_ctx - t, hp.n_head, hp.kv_lora_rank)
+                    : cuda::attention_workspace_bytes(t, params_.n_ctx - t, hp.n_head, hp.n_head_kv, hp.head_dim));
     }
+    const int64_t rope_dims = hp.mla ? hp.head_dim_rope : hp.head_dim;
+    const int64_t dq = hp.head_dim_nope + hp.head_dim_rope;  // MLA query head
+    const int64_t mla_io = std::max({hp.head_dim_nope, hp.kv_lora_rank, hp.head_dim_v});
 
     auto carve = [&](Carver &c) {
         x_ = c.take<float>(size_t(nb * n_embd));
@@ -212,7 +231,21 @@ void GpuContext::init() {
         q_ = c.take<float>(size_t(nb * n_q));
         attn_ = c.take<float>(size_t(nb * n_q));
         k_cache_ = c.take<float>(size_t(hp.n_layer * params_.n_seq * params_.n_ctx * n_kv));
-        v_cache_ = c.take<float>(size_t(hp.n_layer * params_.n_seq * params_.n_ctx * n_kv));
+        v_cache_ = hp.mla ? nullptr : c.take<float>(size_t(hp.n_layer * params_.n_seq * params_.n_ctx * n_kv));
+        rope_freq_ = c.take<float>(size_t(rope_dims / 2));
+        if (hp.mla) {
+            mla_q_ = c.take<float>(size_t(nb * H * dq));
+            mla_qa_ = hp.q_lora_rank > 0 ? c.take<float>(size_t(nb * hp.q_lora_rank)) : nullptr;
+            mla_in_ = c.take<float>(size_t(nb * H * mla_io));
+            mla_out_ = c.take<float>(size_t(nb * H * mla_io));
+            mla_v_ = c.take<float>(size_t(nb * H * hp.head_dim_v));
+            mla_w_ = c.take<const void *>(size_t(L * 2 * H));
+            mla_offsets_ = c.take<int32_t>(size_t(nb * (H + 1)));
+        }
+        if (hp.n_layer_dense > 0) {
+            ffn_g_ = c.take<float>(size_t(nb * hp.n_ff));
+            ffn_u_ = c.take<float>(size_t(nb * hp.n_ff));
+        }
         k_new_ = params_.n_seq > 1 ? c.take<float>(size_t(nb * n_kv)) : nullptr;
         v_new_ = params_.n_seq > 1 ? c.take<float>(size_t(nb * n_kv)) : nullptr;
         router_logits_ = c.take<float>(size_t(nb * E));
@@ -238,6 +271,31 @@ void GpuContext::init() {
     arena_dev_ = backend_->alloc(MemoryKind::DEVICE, arena_bytes_);
     Carver real{static_cast<uint8_t *>(arena_dev_), 0};
     carve(real);
+    // Tables the kernels read: RoPE frequencies (the CPU's own table); MLA's per-head matrices and, for each pass
+    // size n, the heads' pair offsets (head j's pairs are its n tokens: [j n, (j + 1) n)).
+    const std::vector<float> inv_freq =
+        cpu::rope_inv_freq(rope_dims, hp.rope_freq_base, hp.rope_yarn ? &*hp.rope_yarn : nullptr);
+    backend_->copy_h2d_async(rope_freq_, inv_freq.data(), inv_freq.size() * 4, compute_);
+    if (hp.mla) {
+        mla_w_host_.assign(size_t(L * 2 * H), nullptr);
+        for (int32_t l = 0; l < L; ++l) {
+            const DevLayer &d = layers_[size_t(l)];
+            for (int which = 0; which < 2; ++which) {
+                const DevMatrix &m = which == 0 ? d.wk_b : d.wv_b;
+                const size_t head_bytes = cuda::row_bytes(m.type, m.n_in) * size_t(m.n_out);
+                for (int64_t j = 0; j < H; ++j) {
+                    mla_w_host_[size_t((l * 2 + which) * H + j)] = static_cast<const uint8_t *>(m.data) + j * head_bytes;
+                }
+            }
+        }
+        mla_offsets_host_.resize(size_t(nb * (H + 1)));
+        for (int64_t n = 1; n <= nb; ++n) {
+            for (int64_t j = 0; j <= H; ++j) mla_offsets_host_[size_t((n - 1) * (H + 1) + j)] = int32_t(j * n);
+        }
+        backend_->copy_h2d_async(mla_w_, mla_w_host_.data(), mla_w_host_.size() * sizeof(void *), compute_);
+        backend_->copy_h2d_async(mla_offsets_, mla_offsets_host_.data(), mla_offsets_host_.size() * 4, compute_);
+    }
+    backend_->stream_synchronize(compute_);  // the host tables above are locals
 
     // Pinned host mirrors of what crosses the link every layer; pageable when page-locking is refused.
     Carver host_sizing;
@@ -336,7 +394,7 @@ GpuContext::RoutingBlock GpuContext::routing_block(int64_t n_tok) const {
     b.ids = a256(size_t(n_tok * hp.n_embd) * 4);
     b.weights = b.ids + a256(size_t(n_tok * hp.n_expert_used) * 4);
     b.shared_gate = b.weights + a256(size_t(n_tok * hp.n_expert_used) * 4);
-    b.bytes = b.shared_gate + (hp.shared_expert ? size_t(n_tok) * 4 : 0);
+    b.bytes = b.shared_gate + (hp.shared_expert_gate ? size_t(n_tok) * 4 : 0);
     return b;
 }
 
@@ -364,6 +422,13 @@ void GpuContext::upload_weights() {
         m.n_out = t.ne[1];
         place(t.data, t.matrix_bytes(), &m.data);
     };
+    auto heads = [&](const TensorView &t, DevMatrix &m) {  // [n_head] matrices of ne[0] x ne[1], back to back
+        if (t.empty()) return;
+        m.type = t.type;
+        m.n_in = t.ne[0];
+        m.n_out = t.ne[1];
+        place(t.data, t.n_bytes(), &m.data);
+    };
     auto vec = [&](const float *v, int64_t n, const float *&field) {
         if (v) place(v, size_t(n) * 4, reinterpret_cast<const void **>(&field));
     };
@@ -387,6 +452,18 @@ void GpuContext::upload_weights() {
         matrix(l.wv, d.wv);
         matrix(l.wo, d.wo);
         matrix(l.gate_inp, d.gate_inp);
+        vec(l.gate_inp_b, hp.n_expert, d.gate_inp_b);
+        vec(l.exp_probs_b, hp.n_expert, d.exp_probs_b);
+        matrix(l.wq_a, d.wq_a);
+        matrix(l.wq_b, d.wq_b);
+        matrix(l.wkv_a_mqa, d.wkv_a);
+        heads(l.wk_b, d.wk_b);
+        heads(l.wv_b, d.wv_b);
+        vec(l.q_a_norm, hp.q_lora_rank, d.q_a_norm);
+        vec(l.kv_a_norm, hp.kv_lora_rank, d.kv_a_norm);
+        matrix(l.ffn_gate, d.ffn_gate);
+        matrix(l.ffn_up, d.ffn_up);
+        matrix(l.ffn_down, d.ffn_down);
         matrix(l.gate_shexp, d.gate_shexp);
         matrix(l.up_shexp, d.up_shexp);
         matrix(l.down_shexp, d.down_shexp);
@@ -495,8 +572,16 @@ void GpuContext::forward_pass(const int32_t *tokens, int64_t n, std::span<const 
     backend_->copy_h2d_async(tok_dev_, tok_host_, n_ints * 4, compute_);
     cuda::get_rows(tok_embd_.type, tok_embd_.data, hp.n_embd, hp.n_vocab, tok_dev_, n, x_, stream());
     for (int64_t il = 0; il < hp.n_layer; ++il) {
-        attention_block(il, n, runs);
-        moe_block(il, n);
+        if (hp.mla) {
+            mla_attention_block(il, n, runs);
+        } else {
+            attention_block(il, n, runs);
+        }
+        if (il < hp.n_layer_dense) {
+            dense_ffn_block(il, n);
+        } else {
+            moe_block(il, n);
+        }
     }
     for (const SeqRun &r : runs) n_past_[size_t(r.seq)] = r.pos0 + r.n;
     if (n_rows > 0) output_head(n_rows, logits_out);
@@ -533,8 +618,9 @@ void GpuContext::attention_block(int64_t il, int64_t n, std::span<const SeqRun> 
         cuda::rms_norm(q_, l.q_norm, n, n_q, hp.rms_eps, q_, s);
         cuda::rms_norm(k_new, l.k_norm, n, n_kv, hp.rms_eps, k_new, s);
     }
-    cuda::rope(q_, n, hp.n_head, hp.head_dim, pos, hp.rope_freq_base, hp.rope_mode, s);
-    cuda::rope(k_new, n, hp.n_head_kv, hp.head_dim, pos, hp.rope_freq_base, hp.rope_mode, s);
+    const float mscale = hp.rope_yarn ? hp.rope_yarn->mscale : 1.0f;
+    cuda::rope(q_, n, hp.n_head, hp.head_dim, hp.head_dim, pos, rope_freq_, mscale, hp.rope_mode, s);
+    cuda::rope(k_new, n, hp.n_head_kv, hp.head_dim, hp.head_dim, pos, rope_freq_, mscale, hp.rope_mode, s);
     if (!direct) {
         const int32_t *cache_rows = tok_dev_ + 2 * params_.n_batch;
         cuda::scatter_rows(k_new_, n, n_kv, cache_rows, kc, s);
@@ -552,6 +638,87 @@ void GpuContext::attention_block(int64_t il, int64_t n, std::span<const SeqRun> 
     cuda::add(x_, tmp_, x_, n * hp.n_embd, s);
 }
 
+void GpuContext::mla_heads(int64_t il, int which, const DevMatrix &m, const float *x, int64_t n, float *y) {
+    const int64_t H = model_.hp().n_head;
+    cuda::ExpertMatmul g;
+    g.type = m.type;
+    g.n_in = m.n_in;
+    g.n_out = m.n_out;
+    g.n_expert = int32_t(H);
+    g.w_dev = mla_w_ + (il * 2 + which) * H;
+    g.w_host = mla_w_host_.data() + (il * 2 + which) * H;
+    g.offsets_dev = mla_offsets_ + (n - 1) * (H + 1);
+    g.offsets_host = mla_offsets_host_.data() + (n - 1) * (H + 1);
+    cuda::expert_matmul(g, x, y, ws_, stream());  // rows_dev null: x is in pair (head-major) order
+}
+
+// runtime/context.cpp's mla_attention_block on the device: the cache holds per position c = rmsnorm(kv_a(h)[:r])
+// and k_pe = rope(kv_a(h)[r:]); head j's query is (k_b_j^T q_nope_j, q_pe_j); attention is MQA over the cached
+// rows with their first r floats as values; v_b_j maps head j's output to its value.
+void GpuContext::mla_attention_block(int64_t il, int64_t n, std::span<const SeqRun> runs) {
+    const NvtxRange range("attention (MLA)");
+    const HParams &hp = model_.hp();
+    const DevLayer &l = layers_[size_t(il)];
+    const int64_t H = hp.n_head, nope = hp.head_dim_nope, rope = hp.head_dim_rope, r = hp.kv_lora_rank;
+    const int64_t dq = nope + rope, dkv = r + rope, dv = hp.head_dim_v;
+    const cudaStream_t s = stream();
+    const int32_t *pos = tok_dev_ + params_.n_batch;
+    const float mscale = hp.rope_yarn ? hp.rope_yarn->mscale : 1.0f;
+
+    cuda::rms_norm(x_, l.attn_norm, n, hp.n_embd, hp.rms_eps, hb_, s);
+    const int64_t seq_stride = params_.n_ctx * dkv;
+    float *kc = k_cache_ + il * params_.n_seq * seq_stride;
+    // The new latent rows: one run writes them to its cache rows, several through k_new_ and one scatter.
+    const bool direct = runs.size() == 1;
+    float *rows = direct ? kc + runs[0].seq * seq_stride + runs[0].pos0 * dkv : k_new_;
+    if (hp.q_lora_rank > 0) {
+        const cuda::MatmulPart parts[2] = {{l.wq_a.type, l.wq_a.data, l.wq_a.n_out, mla_qa_},
+                                           {l.wkv_a.type, l.wkv_a.data, l.wkv_a.n_out, rows}};
+        cuda::matmul_parts(parts, hp.n_embd, hb_, n, ws_, s);
+        cuda::rms_norm(mla_qa_, l.q_a_norm, n, hp.q_lora_rank, hp.rms_eps, mla_qa_, s);
+        matmul(l.wq_b, mla_qa_, n, mla_q_);
+    } else {
+        const cuda::MatmulPart parts[2] = {{l.wq.type, l.wq.data, l.wq.n_out, mla_q_},
+                                           {l.wkv_a.type, l.wkv_a.data, l.wkv_a.n_out, rows}};
+        cuda::matmul_parts(parts, hp.n_embd, hb_, n, ws_, s);
+    }
+    cuda::rms_norm(rows, l.kv_a_norm, n, r, hp.rms_eps, rows, s, dkv);
+    cuda::rope(rows + r, n, 1, rope, dkv, pos, rope_freq_, mscale, hp.rope_mode, s);
+    cuda::rope(mla_q_ + nope, n, H, rope, dq, pos, rope_freq_, mscale, hp.rope_mode, s);
+    if (!direct) cuda::scatter_rows(k_new_, n, dkv, tok_dev_ + 2 * params_.n_batch, kc, s);
+
+    // Absorbed queries in q_: [n][H][r + rope].
+    cuda::copy_heads(mla_q_, {H * dq, dq}, mla_in_, {nope, n * nope}, n, H, nope, s);
+    mla_heads(il, 0, l.wk_b, mla_in_, n, mla_out_);
+    cuda::copy_heads(mla_out_, {r, n * r}, q_, {H * dkv, dkv}, n, H, r, s);
+    cuda::copy_heads(mla_q_ + nope, {H * dq, dq}, q_ + r, {H * dkv, dkv}, n, H, rope, s);
+    int64_t t0 = 0;
+    for (const SeqRun &run : runs) {
+        cuda::attention_latent(q_ + t0 * H * dkv, kc + run.seq * seq_stride, run.n, run.pos0, H, dkv, r, hp.kq_scale,
+                               attn_ + t0 * H * r, ws_, s);
+        t0 += run.n;
+    }
+    cuda::copy_heads(attn_, {H * r, r}, mla_in_, {r, n * r}, n, H, r, s);
+    mla_heads(il, 1, l.wv_b, mla_in_, n, mla_out_);
+    cuda::copy_heads(mla_out_, {dv, n * dv}, mla_v_, {H * dv, dv}, n, H, dv, s);
+    matmul(l.wo, mla_v_, n, tmp_);
+    cuda::add(x_, tmp_, x_, n * hp.n_embd, s);
+}
+
+void GpuContext::dense_ffn_block(int64_t il, int64_t n) {
+    const NvtxRange range("dense FFN");
+    const HParams &hp = model_.hp();
+    const DevLayer &l = layers_[size_t(il)];
+    const cudaStream_t s = stream();
+    cuda::rms_norm(x_, l.ffn_norm, n, hp.n_embd, hp.rms_eps, hb_, s);
+    const cuda::MatmulPart gate_up[2] = {{l.ffn_gate.type, l.ffn_gate.data, l.ffn_gate.n_out, ffn_g_},
+                                         {l.ffn_up.type, l.ffn_up.data, l.ffn_up.n_out, ffn_u_}};
+    cuda::matmul_parts(gate_up, hp.n_embd, hb_, n, ws_, s);
+    cuda::swiglu(ffn_g_, ffn_u_, ffn_g_, n * hp.n_ff, s);
+    matmul(l.ffn_down, ffn_g_, n, tmp_);
+    cuda::add(x_, tmp_, x_, n * hp.n_embd, s);
+}
+
 void GpuContext::moe_block(int64_t il, int64_t n) {
     const HParams &hp = model_.hp();
     const DevLayer &l = layers_[size_t(il)];
@@ -563,10 +730,14 @@ void GpuContext::moe_block(int64_t il, int64_t n) {
         const NvtxRange range("router and routing copy");
         cuda::rms_norm(x_, l.ffn_norm, n, hp.n_embd, hp.rms_eps, h, stream());
         matmul(l.gate_inp, h, n, router_logits_);
-        cuda::router_topk(router_logits_, n, hp.n_expert, k, hp.norm_topk_prob, nullptr,
-                          reinterpret_cast<int32_t *>(routing_dev_ + b.ids),
+        cuda::RouterSpec spec = router_spec(hp);
+        spec.logit_bias = l.gate_inp_b;
+        spec.select_bias = l.exp_probs_b;
+        cuda::router_topk(router_logits_, n, hp.n_expert, k, spec, nullptr, reinterpret_cast<int32_t *>(routing_dev_ + b.ids),
                           reinterpret_cast<float *>(routing_dev_ + b.weights), stream());
-        if (hp.shared_expert) matmul(l.gate_inp_shexp, h, n, reinterpret_cast<float *>(routing_dev_ + b.shared_gate));
+        if (hp.shared_expert_gate) {
+            matmul(l.gate_inp_shexp, h, n, reinterpret_cast<float *>(routing_dev_ + b.shared_gate));
+        }
         // The one device-to-host copy and the one wait of the layer: routing, router input, shared gate. The
         // device meanwhile runs the routed experts it holds (issue 14), resolved from the routing it has: the
         // router's, or the replayed trace's.
@@ -590,7 +761,7 @@ void GpuContext::moe_block(int64_t il, int64_t n) {
     if (on_routing) on_routing(il, routing_);
     const auto *h_host = reinterpret_cast<const float *>(routing_host_ + b.h);
     const std::span<const float> shared_gate =
-        hp.shared_expert ? std::span<const float>(reinterpret_cast<const float *>(routing_host_ + b.shared_gate),
+        hp.shared_expert_gate ? std::span<const float>(reinterpret_cast<const float *>(routing_host_ + b.shared_gate),
                                                   size_t(n))
                          : std::span<const float>();
     const NvtxRange range("moe: plan, copies, GPU experts, prefetch, CPU experts, combine");

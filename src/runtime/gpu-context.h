@@ -64,7 +64,12 @@ class GpuContext final : public Engine {
         const float *attn_norm = nullptr, *ffn_norm = nullptr;
         const float *bq = nullptr, *bk = nullptr, *bv = nullptr, *q_norm = nullptr, *k_norm = nullptr;
         DevMatrix wq, wk, wv, wo, gate_inp;
-        DevMatrix gate_shexp, up_shexp, down_shexp, gate_inp_shexp;  // shared expert (qwen2moe)
+        DevMatrix gate_shexp, up_shexp, down_shexp, gate_inp_shexp;  // shared expert (qwen2moe, deepseek2)
+        const float *gate_inp_b = nullptr, *exp_probs_b = nullptr;  // router logit / selection biases
+        // MLA (deepseek2): wk_b and wv_b hold one matrix per head (n_in x n_out each, n_head of them).
+        DevMatrix wq_a, wq_b, wkv_a, wk_b, wv_b;
+        const float *q_a_norm = nullptr, *kv_a_norm = nullptr;
+        DevMatrix ffn_gate, ffn_up, ffn_down;  // dense layers (il < n_layer_dense)
     };
     /// Byte offsets inside the routing block copied to the host each layer, for n_tok tokens.
     struct RoutingBlock {
@@ -84,6 +89,12 @@ class GpuContext final : public Engine {
     void forward_pass(const int32_t *tokens, int64_t n, std::span<const SeqRun> runs,
                       std::span<const int64_t> out_rows, float *logits_out);
     void attention_block(int64_t il, int64_t n, std::span<const SeqRun> runs);
+    /// DeepSeek's MLA as runtime/context.cpp computes it (absorbed weights, latent cache), the per-head products
+    /// as grouped matmuls over the heads (mla_heads).
+    void mla_attention_block(int64_t il, int64_t n, std::span<const SeqRun> runs);
+    /// y (head-major [n_head][n][n_out]) = per-head matrix m (wk_b or wv_b of il) x (head-major [n_head][n][n_in]).
+    void mla_heads(int64_t il, int which, const DevMatrix &m, const float *x, int64_t n, float *y);
+    void dense_ffn_block(int64_t il, int64_t n);
     void moe_block(int64_t il, int64_t n);
     /// Logits of the pass rows `rows` (pass-local token indices on the host; their copy is in tok_dev_).
     void output_head(int64_t n_rows, float *logits_out);
@@ -116,8 +127,17 @@ class GpuContext final : public Engine {
     float *q_ = nullptr;         // [n_batch][n_head * head_dim]
     float *attn_ = nullptr;      // [n_batch][n_head * head_dim]
     float *tmp_ = nullptr;       // [n_batch][n_embd] block output before the residual add
-    float *k_cache_ = nullptr;   // [n_layer][n_seq][n_ctx][n_head_kv * head_dim]
-    float *v_cache_ = nullptr;
+    float *k_cache_ = nullptr;   // [n_layer][n_seq][n_ctx][n_head_kv * head_dim] (MLA: the latent rows)
+    float *v_cache_ = nullptr;   // (MLA: none, the values are the latent rows)
+    float *rope_freq_ = nullptr;  // [rope dims / 2] cpu::rope_inv_freq's table
+    // MLA (deepseek2), for up to n_batch tokens: full queries [n][n_head][nope + rope], the q-LoRA latent, head-major
+    // inputs and outputs of the per-head products, the values before Wo [n][n_head][head_dim_v].
+    float *mla_q_ = nullptr, *mla_qa_ = nullptr, *mla_in_ = nullptr, *mla_out_ = nullptr, *mla_v_ = nullptr;
+    const void **mla_w_ = nullptr;  // device [n_layer][2][n_head] the wk_b / wv_b matrix of each head
+    std::vector<const void *> mla_w_host_;
+    int32_t *mla_offsets_ = nullptr;      // device [n_batch][n_head + 1]: row n-1 = the heads' pairs for n tokens
+    std::vector<int32_t> mla_offsets_host_;
+    float *ffn_g_ = nullptr, *ffn_u_ = nullptr;  // dense layers: [n_batch][n_ff]
     float *router_logits_ = nullptr;  // [n_batch][n_expert]
     uint8_t *routing_dev_ = nullptr;  // RoutingBlock for n_batch tokens: h, ids, weights, shared gate logits
     float *k_new_ = nullptr;     // [n_batch][n_head_kv * head_dim] new keys of a pass of several runs, before the

@@ -233,9 +233,11 @@ void HybridMoe::build_step(const Routing &r, std::span<const float> shared_gate)
             }
         }
         if (shared_on_device_) {
-            // HF Qwen2MoeSparseMoeBlock: sigmoid(shared_expert_gate(x)) scales the shared expert, added last.
+            // HF Qwen2MoeSparseMoeBlock: sigmoid(shared_expert_gate(x)) scales the shared expert, added last;
+            // DeepseekV3MoE adds it unscaled.
             s.pair_ids[size_t(t * kc + k)] = int32_t(s.n_gpu_pairs + s.n_cpu_pairs + t);
-            s.weights[size_t(t * kc + k)] = 1.0f / (1.0f + std::exp(-shared_gate[size_t(t)]));
+            s.weights[size_t(t * kc + k)] =
+                model_.hp().shared_expert_gate ? 1.0f / (1.0f + std::exp(-shared_gate[size_t(t)])) : 1.0f;
         }
     }
 }
@@ -401,7 +403,7 @@ void HybridMoe::mark_routing_copied(int32_t layer, Stream stream) {
 
 void HybridMoe::run_layer(int32_t layer, const float *h, const Routing &r, std::span<const float> shared_gate) {
     PRESCOPE_ASSERT(r.n_tok > 0 && r.n_tok <= max_tokens_ && r.k == model_.hp().n_expert_used);
-    PRESCOPE_ASSERT(!shared_on_device_ || shared_gate.size() >= size_t(r.n_tok));
+    PRESCOPE_ASSERT(!shared_on_device_ || !model_.hp().shared_expert_gate || shared_gate.size() >= size_t(r.n_tok));
     PRESCOPE_ASSERT(device_hits_layer_ < 0 || device_hits_layer_ == layer);
     step_layer_ = layer;
     last_step_ = -1;

@@ -11,63 +11,30 @@
 
 namespace prescope {
 
+cpu::RouterSpec router_spec(const HParams &hp) {
+    cpu::RouterSpec s;
+    s.score = hp.expert_gating == ExpertGating::SIGMOID  ? cpu::RouterScore::SIGMOID
+              : hp.expert_gating == ExpertGating::SOFTMAX ? cpu::RouterScore::SOFTMAX
+                                                          : cpu::RouterScore::LOGITS;
+    s.softmax_topk = hp.expert_gating == ExpertGating::SOFTMAX_WEIGHT;
+    s.n_group = int(hp.n_expert_group);
+    s.n_group_used = int(hp.n_expert_group_used);
+    s.renorm = hp.norm_topk_prob;
+    s.scale = hp.expert_weights_scale;
+    return s;
+}
+
 void moe_route(const HParams &hp, const LayerWeights &l, const float *x, int64_t n_tok, float *probs, Routing &out) {
-    const int64_t n_expert = hp.n_expert, k = hp.n_expert_used;
+    const int64_t k = hp.n_expert_used;
     cpu::matmul(l.gate_inp, x, n_tok, probs);
-    if (l.gate_inp_b) cpu::add_bias(probs, l.gate_inp_b, n_tok, n_expert);
-    if (hp.expert_gating == ExpertGating::SIGMOID) {
-        for (int64_t i = 0; i < n_tok * n_expert; ++i) probs[i] = 1.0f / (1.0f + std::exp(-probs[i]));
-    } else if (hp.expert_gating == ExpertGating::SOFTMAX) {
-        cpu::softmax(probs, n_tok, n_expert);
-    }  // SOFTMAX_WEIGHT chooses on the logits themselves
+    cpu::RouterSpec spec = router_spec(hp);
+    spec.logit_bias = l.gate_inp_b;
+    spec.select_bias = l.exp_probs_b;
     out.n_tok = n_tok;
     out.k = k;
     out.ids.resize(size_t(n_tok * k));
     out.weights.resize(size_t(n_tok * k));
-    const bool choose_apart = l.exp_probs_b || hp.n_expert_group > 1;  // choosing scores differ from the weights
-    const int64_t per_group = n_expert / hp.n_expert_group;
-    std::array<float, kMaxExperts> choice, group_score;  // n_expert <= kMaxExperts (read_common_hparams)
-    std::array<int32_t, kMaxExperts> group_ids;
-    for (int64_t t = 0; t < n_tok; ++t) {
-        const float *p = probs + t * n_expert;
-        int32_t *ids = out.ids.data() + t * k;
-        float *w = out.weights.data() + t * k;
-        if (!choose_apart) {
-            cpu::top_k(p, n_expert, k, ids, w);
-        } else {
-            // DeepSeek-V3 (HF DeepseekV3TopkRouter, llama.cpp build_moe_ffn): choose on score + bias; keep only
-            // the groups with the largest sums of their two best choosing scores; the weights are the unbiased
-            // scores of the chosen experts.
-            for (int64_t e = 0; e < n_expert; ++e) choice[size_t(e)] = p[e] + (l.exp_probs_b ? l.exp_probs_b[e] : 0.0f);
-            if (hp.n_expert_group > 1) {
-                for (int64_t g = 0; g < hp.n_expert_group; ++g) {
-                    float best[2];
-                    int32_t unused[2];
-                    cpu::top_k(choice.data() + g * per_group, per_group, 2, unused, best);
-                    group_score[size_t(g)] = best[0] + best[1];
-                }
-                std::array<float, kMaxExperts> kept;
-                cpu::top_k(group_score.data(), hp.n_expert_group, hp.n_expert_group_used, group_ids.data(), kept.data());
-                std::array<bool, kMaxExperts> keep{};
-                for (int64_t j = 0; j < hp.n_expert_group_used; ++j) keep[size_t(group_ids[size_t(j)])] = true;
-                for (int64_t e = 0; e < n_expert; ++e) {
-                    if (!keep[size_t(e / per_group)]) choice[size_t(e)] = -INFINITY;
-                }
-            }
-            cpu::top_k(choice.data(), n_expert, k, ids, w);
-            for (int64_t j = 0; j < k; ++j) w[j] = p[ids[j]];
-        }
-        // HF GptOssTopKRouter, llama.cpp LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT: softmax over the k chosen.
-        if (hp.expert_gating == ExpertGating::SOFTMAX_WEIGHT) cpu::softmax(w, 1, k);
-        if (hp.norm_topk_prob) {
-            float sum = 0.0f;
-            for (int64_t j = 0; j < k; ++j) sum += w[j];
-            for (int64_t j = 0; j < k; ++j) w[j] /= sum;
-        }
-        if (hp.expert_weights_scale != 1.0f) {
-            for (int64_t j = 0; j < k; ++j) w[j] *= hp.expert_weights_scale;
-        }
-    }
+    cpu::route(spec, probs, n_tok, hp.n_expert, k, out.ids.data(), out.weights.data());
 }
 
 void cpu_expert_ffn(const TensorView &gate, const TensorView &up, const TensorView &down, int64_t expert,

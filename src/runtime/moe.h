@@ -20,6 +20,10 @@ struct Routing {
     std::vector<float> weights;  // [n_tok][k] weights the expert outputs are multiplied by
 };
 
+/// The router of hp's layers as data (scores, groups, renormalisation, scale), without the bias pointers, which the
+/// caller sets to its copies of LayerWeights::gate_inp_b and exp_probs_b.
+cpu::RouterSpec router_spec(const HParams &hp);
+
 /// Router of layer `l` for x: [n_tok][n_embd]: logits = ffn_gate_inp . x (+ ffn_gate_inp.bias when the layer
 /// has it) in F32, scores = softmax over all experts, with ExpertGating::SIGMOID a sigmoid per expert, with
 /// SOFTMAX_WEIGHT the logits themselves; top-k of the scores (ties: lower id first)

@@ -589,63 +589,160 @@ struct MoeFfnCase : Case {
 };
 
 struct RmsNormCase : Case {
-    int64_t n_rows, n;
+    int64_t n_rows, n, stride;  // stride > n: the first n floats of each row of `stride` (the rest untouched)
     bool in_place;
     std::vector<float> x, w, y_ref;
     DevBuf dx, dw, dy;
-    RmsNormCase(int64_t r, int64_t nn, bool ip = false) : n_rows(r), n(nn), in_place(ip) {}
+    RmsNormCase(int64_t r, int64_t nn, bool ip = false, int64_t st = 0)
+        : n_rows(r), n(nn), stride(st ? st : nn), in_place(ip) {}
     std::string op() const override { return "rms_norm"; }
     std::string vars() const override {
-        return strf("n_rows=%lld,n=%lld%s", (long long)n_rows, (long long)n, in_place ? ",in-place" : "");
+        return strf("n_rows=%lld,n=%lld,stride=%lld%s", (long long)n_rows, (long long)n, (long long)stride,
+                    in_place ? ",in-place" : "");
     }
     void init(Rng &rng) override {
-        x = rng.floats(size_t(n_rows * n), -3.0f, 3.0f), w = rng.floats(size_t(n), 0.5f, 1.5f);
+        x = rng.floats(size_t(n_rows * stride), -3.0f, 3.0f), w = rng.floats(size_t(n), 0.5f, 1.5f);
         dx = DevBuf(x), dw = DevBuf(w), dy = DevBuf(x.size() * 4);
     }
     void reference() override {
-        y_ref.resize(x.size());
-        cpu::rms_norm(x.data(), w.data(), n_rows, n, 1e-6f, y_ref.data());
+        y_ref = x;
+        for (int64_t r = 0; r < n_rows; ++r) {
+            cpu::rms_norm(x.data() + r * stride, w.data(), 1, n, 1e-6f, y_ref.data() + r * stride);
+        }
     }
     void poison() override { in_place ? dx.upload(x.data()) : dy.poison(); }
     void run() override {
-        cu::rms_norm(dx.as<float>(), dw.as<float>(), n_rows, n, 1e-6f, (in_place ? dx : dy).as<float>(), g_stream);
+        cu::rms_norm(dx.as<float>(), dw.as<float>(), n_rows, n, 1e-6f, (in_place ? dx : dy).as<float>(), g_stream,
+                     stride);
     }
-    std::vector<Check> compare() override { return {nmse("y", (in_place ? dx : dy).download<float>(), y_ref, kTight)}; }
-    double bytes() const override { return double(x.size() * 8 + w.size() * 4); }
+    std::vector<Check> compare() override {
+        // The normed parts only: out of place the rest of y is the poison; in place it must be x's.
+        const std::vector<float> all = (in_place ? dx : dy).download<float>();
+        std::vector<float> got, ref, rest_got, rest_ref;
+        for (int64_t r = 0; r < n_rows; ++r) {
+            got.insert(got.end(), all.begin() + r * stride, all.begin() + r * stride + n);
+            ref.insert(ref.end(), y_ref.begin() + r * stride, y_ref.begin() + r * stride + n);
+            rest_got.insert(rest_got.end(), all.begin() + r * stride + n, all.begin() + (r + 1) * stride);
+            rest_ref.insert(rest_ref.end(), y_ref.begin() + r * stride + n, y_ref.begin() + (r + 1) * stride);
+        }
+        std::vector<Check> checks{nmse("y", got, ref, kTight)};
+        if (in_place && stride > n) checks.push_back(exact("rest", rest_got, rest_ref));
+        return checks;
+    }
+    double bytes() const override { return double(n_rows * n * 8 + w.size() * 4); }
 };
 
 struct RopeCase : Case {
-    int64_t n_tok, n_head, head_dim;
+    int64_t n_tok, n_head, head_dim, stride;  // stride > head_dim: the first head_dim floats of longer heads
     cpu::RopeMode mode;
     float freq_base;
     int32_t max_pos;
+    bool yarn;  // DeepSeek-V3's tiny model's YaRN (factor 40, 4096 original positions, mscale 1.2)
     std::vector<float> x, y_ref;
     std::vector<int32_t> pos;
-    DevBuf dx, dpos;
-    RopeCase(int64_t nt, int64_t nh, int64_t hd, cpu::RopeMode m, float base, int32_t mp)
-        : n_tok(nt), n_head(nh), head_dim(hd), mode(m), freq_base(base), max_pos(mp) {}
+    cpu::RopeYarn params;
+    DevBuf dx, dpos, dfreq;
+    RopeCase(int64_t nt, int64_t nh, int64_t hd, cpu::RopeMode m, float base, int32_t mp, bool y = false,
+             int64_t st = 0)
+        : n_tok(nt), n_head(nh), head_dim(hd), stride(st ? st : hd), mode(m), freq_base(base), max_pos(mp), yarn(y) {
+        params.freq_scale = 1.0f / 40.0f;
+        params.n_ctx_orig = 4096;
+        params.mscale = 1.2f;
+    }
     std::string op() const override { return "rope"; }
     std::string vars() const override {
-        return strf("n_tok=%lld,n_head=%lld,head_dim=%lld,mode=%s,base=%g,max_pos=%d", (long long)n_tok,
-                    (long long)n_head, (long long)head_dim,
-                    mode == cpu::RopeMode::NORM ? "norm" : "neox", double(freq_base), max_pos);
+        return strf("n_tok=%lld,n_head=%lld,head_dim=%lld,stride=%lld,mode=%s,base=%g,max_pos=%d%s", (long long)n_tok,
+                    (long long)n_head, (long long)head_dim, (long long)stride,
+                    mode == cpu::RopeMode::NORM ? "norm" : "neox", double(freq_base), max_pos, yarn ? ",yarn" : "");
     }
     void init(Rng &rng) override {
-        x = rng.floats(size_t(n_tok * n_head * head_dim));
+        x = rng.floats(size_t(n_tok * n_head * stride));
         pos.resize(size_t(n_tok));
         for (int32_t &q : pos) q = rng.below(max_pos + 1);
-        dx = DevBuf(x), dpos = DevBuf(pos);
+        dx = DevBuf(x), dpos = DevBuf(pos), dfreq = DevBuf(cpu::rope_inv_freq(head_dim, freq_base, yarn ? &params : nullptr));
     }
     void reference() override {
+        // cpu::rope on packed heads, then put back into the longer rows.
+        std::vector<float> packed(size_t(n_tok * n_head * head_dim));
+        for (int64_t v = 0; v < n_tok * n_head; ++v)
+            std::copy_n(x.data() + v * stride, head_dim, packed.data() + v * head_dim);
+        cpu::rope(packed.data(), n_tok, n_head, head_dim, pos.data(), freq_base, mode, yarn ? &params : nullptr);
         y_ref = x;
-        cpu::rope(y_ref.data(), n_tok, n_head, head_dim, pos.data(), freq_base, mode);
+        for (int64_t v = 0; v < n_tok * n_head; ++v)
+            std::copy_n(packed.data() + v * head_dim, head_dim, y_ref.data() + v * stride);
     }
     void poison() override { dx.upload(x.data()); }
     void run() override {
-        cu::rope(dx.as<float>(), n_tok, n_head, head_dim, dpos.as<int32_t>(), freq_base, mode, g_stream);
+        cu::rope(dx.as<float>(), n_tok, n_head, head_dim, stride, dpos.as<int32_t>(), dfreq.as<float>(),
+                 yarn ? params.mscale : 1.0f, mode, g_stream);
     }
     std::vector<Check> compare() override { return {nmse("x", dx.download<float>(), y_ref, 1e-7)}; }
     double bytes() const override { return double(x.size() * 8); }
+};
+
+/// MLA attention (cu::attention_latent) against cpu::attention over the same rows as keys and values, of which
+/// the first dv output columns count (runtime/context.cpp mla_attention_block).
+struct LatentAttentionCase : Case {
+    int64_t n_tok, pos0, n_head, dk, dv;
+    bool split;
+    std::vector<float> q, cache, out_ref;
+    DevBuf dq, dc, dout, ws;
+    LatentAttentionCase(int64_t nt, int64_t p0, int64_t nh, int64_t k, int64_t v, bool sp = true)
+        : n_tok(nt), pos0(p0), n_head(nh), dk(k), dv(v), split(sp) {}
+    std::string op() const override { return "attention_latent"; }
+    std::string vars() const override {
+        return strf("n_tok=%lld,pos0=%lld,n_head=%lld,dk=%lld,dv=%lld%s", (long long)n_tok, (long long)pos0,
+                    (long long)n_head, (long long)dk, (long long)dv, split ? "" : ",no-split");
+    }
+    void init(Rng &rng) override {
+        q = rng.floats(size_t(n_tok * n_head * dk), -2.0f, 2.0f);
+        cache = rng.floats(size_t((pos0 + n_tok) * dk));
+        dq = DevBuf(q), dc = DevBuf(cache), dout = DevBuf(size_t(n_tok * n_head * dv) * 4);
+        ws = DevBuf(split ? cu::attention_latent_workspace_bytes(n_tok, pos0, n_head, dv) : 0);
+    }
+    float scale() const { return 1.0f / std::sqrt(float(dk)); }
+    void reference() override {
+        std::vector<float> full(size_t(n_tok * n_head * dk));
+        cpu::attention(q.data(), cache.data(), cache.data(), n_tok, pos0, n_head, 1, dk, scale(), full.data());
+        out_ref.resize(size_t(n_tok * n_head * dv));
+        for (int64_t v = 0; v < n_tok * n_head; ++v) std::copy_n(full.data() + v * dk, dv, out_ref.data() + v * dv);
+    }
+    void poison() override { dout.poison(); }
+    void run() override {
+        cu::attention_latent(dq.as<float>(), dc.as<float>(), n_tok, pos0, n_head, dk, dv, scale(), dout.as<float>(),
+                             split ? ws.workspace() : cu::Workspace{}, g_stream);
+    }
+    std::vector<Check> compare() override { return {nmse("out", dout.download<float>(), out_ref, kExact)}; }
+    double bytes() const override { return double(q.size() * 4 + cache.size() * 4 + size_t(n_tok * n_head * dv) * 4); }
+};
+
+/// copy_heads between a token-major part of longer rows and a head-major packed layout.
+struct CopyHeadsCase : Case {
+    int64_t n_tok, n_head, n, row;  // row >= n: floats per head in the token-major source
+    std::vector<float> x, y_ref;
+    DevBuf dx, dy;
+    CopyHeadsCase(int64_t nt, int64_t nh, int64_t nn, int64_t r) : n_tok(nt), n_head(nh), n(nn), row(r) {}
+    std::string op() const override { return "copy_heads"; }
+    std::string vars() const override {
+        return strf("n_tok=%lld,n_head=%lld,n=%lld,row=%lld", (long long)n_tok, (long long)n_head, (long long)n,
+                    (long long)row);
+    }
+    void init(Rng &rng) override {
+        x = rng.floats(size_t(n_tok * n_head * row));
+        dx = DevBuf(x), dy = DevBuf(size_t(n_tok * n_head * n) * 4);
+    }
+    void reference() override {
+        y_ref.resize(size_t(n_tok * n_head * n));
+        for (int64_t t = 0; t < n_tok; ++t)
+            for (int64_t h = 0; h < n_head; ++h)
+                std::copy_n(x.data() + (t * n_head + h) * row, n, y_ref.data() + (h * n_tok + t) * n);
+    }
+    void poison() override { dy.poison(); }
+    void run() override {
+        cu::copy_heads(dx.as<float>(), {n_head * row, row}, dy.as<float>(), {n, n_tok * n}, n_tok, n_head, n, g_stream);
+    }
+    std::vector<Check> compare() override { return {exact("y", dy.download<float>(), y_ref)}; }
+    double bytes() const override { return double(y_ref.size() * 8); }
 };
 
 /// Workspace handed to attention: the size it asks for, none (no split), or a quarter (fewer splits).
@@ -709,40 +806,50 @@ struct SoftmaxCase : Case {
 
 struct RouterCase : Case {
     int64_t n_tok, n_expert, k;
-    bool renorm, ties;  // ties: logits from {-1, 0, 1, 2}, so equal probabilities are common
-    std::vector<float> logits, probs_ref, w_ref;
+    cpu::RouterSpec spec;  // bias pointers set from `biased`
+    bool biased, ties;  // biased: random logit and selection biases; ties: logits from {-1, 0, 1, 2}
+    std::vector<float> logits, lbias, sbias, probs_ref, w_ref;
     std::vector<int32_t> ids_ref;
-    DevBuf dlogits, dprobs, dids, dw;
-    RouterCase(int64_t nt, int64_t ne, int64_t kk, bool rn, bool ti = false)
-        : n_tok(nt), n_expert(ne), k(kk), renorm(rn), ties(ti) {}
+    DevBuf dlogits, dlbias, dsbias, dprobs, dids, dw;
+    RouterCase(int64_t nt, int64_t ne, int64_t kk, cpu::RouterSpec sp, bool bi = false, bool ti = false)
+        : n_tok(nt), n_expert(ne), k(kk), spec(sp), biased(bi), ties(ti) {}
+    RouterCase(int64_t nt, int64_t ne, int64_t kk, bool renorm, bool ti = false)
+        : RouterCase(nt, ne, kk, renorm_spec(renorm), false, ti) {}
+    static cpu::RouterSpec renorm_spec(bool renorm) {
+        cpu::RouterSpec s;
+        s.renorm = renorm;
+        return s;
+    }
     std::string op() const override { return "router_topk"; }
     std::string vars() const override {
-        return strf("n_tok=%lld,n_expert=%lld,k=%lld,renorm=%d%s", (long long)n_tok, (long long)n_expert,
-                    (long long)k, int(renorm), ties ? ",ties" : "");
+        const char *score[] = {"softmax", "sigmoid", "logits"};
+        return strf("n_tok=%lld,n_expert=%lld,k=%lld,score=%s,groups=%d/%d,renorm=%d,softmax_topk=%d,scale=%g%s%s",
+                    (long long)n_tok, (long long)n_expert, (long long)k, score[int(spec.score)], spec.n_group_used,
+                    spec.n_group, int(spec.renorm), int(spec.softmax_topk), double(spec.scale),
+                    biased ? ",biased" : "", ties ? ",ties" : "");
     }
     void init(Rng &rng) override {
         logits = rng.floats(size_t(n_tok * n_expert), -4.0f, 4.0f);
         if (ties)
             for (float &v : logits) v = float(rng.below(4) - 1);
-        dlogits = DevBuf(logits), dprobs = DevBuf(logits.size() * 4);
+        lbias = rng.floats(size_t(n_expert), -1.0f, 1.0f), sbias = rng.floats(size_t(n_expert), -0.3f, 0.3f);
+        dlogits = DevBuf(logits), dprobs = DevBuf(logits.size() * 4), dlbias = DevBuf(lbias), dsbias = DevBuf(sbias);
         dids = DevBuf(size_t(n_tok * k) * 4), dw = DevBuf(size_t(n_tok * k) * 4);
     }
-    void reference() override {  // moe_route's steps after the gate matmul
+    void reference() override {  // the CPU router's own code
         probs_ref = logits;
-        cpu::softmax(probs_ref.data(), n_tok, n_expert);
         ids_ref.resize(size_t(n_tok * k)), w_ref.resize(size_t(n_tok * k));
-        for (int64_t t = 0; t < n_tok; ++t) {
-            float *w = w_ref.data() + t * k;
-            cpu::top_k(probs_ref.data() + t * n_expert, n_expert, k, ids_ref.data() + t * k, w);
-            if (!renorm) continue;
-            float sum = 0.0f;
-            for (int64_t j = 0; j < k; ++j) sum += w[j];
-            for (int64_t j = 0; j < k; ++j) w[j] /= sum;
-        }
+        cpu::RouterSpec s = spec;
+        s.logit_bias = biased ? lbias.data() : nullptr;
+        s.select_bias = biased ? sbias.data() : nullptr;
+        cpu::route(s, probs_ref.data(), n_tok, n_expert, k, ids_ref.data(), w_ref.data());
     }
     void poison() override { dprobs.poison(), dids.poison(), dw.poison(); }
     void run() override {
-        cu::router_topk(dlogits.as<float>(), n_tok, n_expert, k, renorm, dprobs.as<float>(), dids.as<int32_t>(),
+        cpu::RouterSpec s = spec;
+        s.logit_bias = biased ? dlbias.as<float>() : nullptr;
+        s.select_bias = biased ? dsbias.as<float>() : nullptr;
+        cu::router_topk(dlogits.as<float>(), n_tok, n_expert, k, s, dprobs.as<float>(), dids.as<int32_t>(),
                         dw.as<float>(), g_stream);
     }
     std::vector<Check> compare() override {
@@ -1001,12 +1108,17 @@ CaseList test_cases() {
     for (auto [r, n] : {std::pair<int64_t, int64_t>{1, 2048}, {7, 2048}, {5 * 32, 128}, {3, 256}, {5, 100}, {2, 8192}})
         add<RmsNormCase>(l, r, n);
     add<RmsNormCase>(l, 4, 2048, true);
+    add<RmsNormCase>(l, 5, 32, false, 40);   // MLA: the latent part of each cached row (tiny DeepSeek)
+    add<RmsNormCase>(l, 3, 512, true, 576);  // DeepSeek-V2-Lite
 
     for (cpu::RopeMode m : {cpu::RopeMode::NORM, cpu::RopeMode::NEOX}) {
         add<RopeCase>(l, 1, 32, 128, m, 1e6f, 5000);
         add<RopeCase>(l, 37, 4, 128, m, 1e6f, 4096);
         add<RopeCase>(l, 7, 4, 64, m, 1e4f, 300);
         add<RopeCase>(l, 16, 2, 16, m, 1e6f, 4096);
+        add<RopeCase>(l, 9, 4, 8, m, 1e4f, 3000, true, 24);   // MLA query rope parts, YaRN (tiny DeepSeek-V3)
+        add<RopeCase>(l, 9, 1, 8, m, 1e4f, 3000, true, 40);   // MLA key rope part of the cached row
+        add<RopeCase>(l, 5, 16, 64, m, 1e4f, 4000, true, 192);  // DeepSeek-V2-Lite queries
     }
 
     // A block takes 4, 8 or 16 query rows (tokens x heads of one KV head) and a split of the keys,
@@ -1035,6 +1147,14 @@ CaseList test_cases() {
     add<AttentionCase>(l, 2, 50, 32, 2, 256);        // 16 heads per KV head, head_dim 256
     add<AttentionCase>(l, 1, 700, 16, 4, 256, 4.0f); // head_dim 256 decode, split
     add<AttentionCase>(l, 1, 70000, 8, 1, 64);       // long context, 8 queries over one KV head
+    add<LatentAttentionCase>(l, 7, 0, 4, 40, 32);     // tiny DeepSeek prefill
+    add<LatentAttentionCase>(l, 1, 30, 4, 40, 32);    // tiny DeepSeek decode (split)
+    add<LatentAttentionCase>(l, 1, 30, 4, 40, 32, false);
+    add<LatentAttentionCase>(l, 1, 1000, 16, 576, 512);  // DeepSeek-V2-Lite decode, split
+    add<LatentAttentionCase>(l, 20, 100, 16, 576, 512);  // prefill
+    add<LatentAttentionCase>(l, 2, 300, 40, 576, 512);   // 3 head groups, one partly filled
+    add<CopyHeadsCase>(l, 5, 4, 16, 24);
+    add<CopyHeadsCase>(l, 3, 16, 128, 192);
 
     for (auto [r, n] : {std::pair<int64_t, int64_t>{1, 128}, {64, 128}, {5, 7}, {3, 151936}}) add<SoftmaxCase>(l, r, n);
 
@@ -1047,6 +1167,21 @@ CaseList test_cases() {
     add<RouterCase>(l, 2, 256, 8, true);
     add<RouterCase>(l, 2, 1024, 32, false);
     add<RouterCase>(l, 16, 128, 8, true, true);  // equal probabilities: lower id first
+    {
+        cpu::RouterSpec v3;  // DeepSeek-V3: sigmoid, selection bias, 8 groups keep 4, renorm, scale 2.5
+        v3.score = cpu::RouterScore::SIGMOID, v3.n_group = 8, v3.n_group_used = 4, v3.renorm = true, v3.scale = 2.5f;
+        add<RouterCase>(l, 5, 256, 8, v3, true);
+        add<RouterCase>(l, 5, 256, 8, v3, true, true);
+        cpu::RouterSpec tiny = v3;  // the tiny DeepSeek-V3 model: 8 experts in 4 groups keep 2
+        tiny.n_group = 4, tiny.n_group_used = 2;
+        add<RouterCase>(l, 9, 8, 2, tiny, true);
+        cpu::RouterSpec lite;  // DeepSeek-V2-Lite: softmax, no groups, no renorm
+        add<RouterCase>(l, 3, 64, 6, lite);
+        cpu::RouterSpec oss;  // gpt-oss: logit bias, top-k of the logits, softmax over them
+        oss.score = cpu::RouterScore::LOGITS, oss.softmax_topk = true;
+        add<RouterCase>(l, 7, 32, 4, oss, true);
+        add<RouterCase>(l, 2, 128, 4, oss, true, true);
+    }
 
     for (const char *name : {"swiglu", "add", "scale_add", "add_bias"}) {
         add<EltCase>(l, name, 1, 768);

@@ -14,6 +14,7 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
@@ -262,8 +263,7 @@ void rms_norm(const float *x, const float *w, int64_t n_rows, int64_t n, float e
     }
 }
 
-void rope(float *x, int64_t n_tok, int64_t n_head, int64_t head_dim, const int32_t *pos, float freq_base,
-          RopeMode mode, const RopeYarn *yarn) {
+std::vector<float> rope_inv_freq(int64_t head_dim, float freq_base, const RopeYarn *yarn) {
     PRESCOPE_ASSERT(head_dim % 2 == 0);
     const int64_t half = head_dim / 2;
     // Angles as HF computes them (Qwen3MoeRotaryEmbedding / _compute_default_rope_parameters), in F32:
@@ -271,7 +271,6 @@ void rope(float *x, int64_t n_tok, int64_t n_head, int64_t head_dim, const int32
     std::vector<float> inv_freq(static_cast<size_t>(half));
     for (int64_t i = 0; i < half; ++i)
         inv_freq[size_t(i)] = 1.0f / std::pow(freq_base, float(2 * i) / float(head_dim));
-    float mscale = 1.0f;
     if (yarn) {
         // HF blends the inverse frequencies (inv_freq = interp * (1 - mix) + extrap * mix); ggml the angles.
         const auto corr_dim = [&](float n_rot) {
@@ -286,8 +285,15 @@ void rope(float *x, int64_t n_tok, int64_t n_head, int64_t head_dim, const int32
             const float f = inv_freq[size_t(i)];
             inv_freq[size_t(i)] = f * yarn->freq_scale * (1.0f - mix) + f * mix;
         }
-        mscale = yarn->mscale;
     }
+    return inv_freq;
+}
+
+void rope(float *x, int64_t n_tok, int64_t n_head, int64_t head_dim, const int32_t *pos, float freq_base,
+          RopeMode mode, const RopeYarn *yarn) {
+    const int64_t half = head_dim / 2;
+    const std::vector<float> inv_freq = rope_inv_freq(head_dim, freq_base, yarn);
+    const float mscale = yarn ? yarn->mscale : 1.0f;
     const int nth = threads_here();
 #pragma omp parallel num_threads(nth) if (nth > 1 && n_tok > 1 && n_tok * n_head * head_dim >= kParallelMinElems)
     {
@@ -367,6 +373,64 @@ void top_k(const float *scores, int64_t n, int64_t k, int32_t *ids, float *value
     for (int64_t i = 0; i < k; ++i) {
         ids[i] = idx[size_t(i)];
         values[i] = scores[idx[size_t(i)]];
+    }
+}
+
+void route(const RouterSpec &spec, float *logits, int64_t n_tok, int64_t n_expert, int64_t k, int32_t *ids,
+           float *weights) {
+    constexpr int64_t kMax = 1024;
+    PRESCOPE_ASSERT(n_expert <= kMax && k <= n_expert && spec.n_group >= 1 && n_expert % spec.n_group == 0);
+    float *probs = logits;
+    if (spec.logit_bias) add_bias(probs, spec.logit_bias, n_tok, n_expert);
+    if (spec.score == RouterScore::SIGMOID) {
+        for (int64_t i = 0; i < n_tok * n_expert; ++i) probs[i] = 1.0f / (1.0f + std::exp(-probs[i]));
+    } else if (spec.score == RouterScore::SOFTMAX) {
+        softmax(probs, n_tok, n_expert);
+    }
+    const bool choose_apart = spec.select_bias || spec.n_group > 1;  // choosing scores differ from the weights
+    const int64_t per_group = n_expert / spec.n_group;
+    std::array<float, kMax> choice, group_score;
+    std::array<int32_t, kMax> group_ids;
+    for (int64_t t = 0; t < n_tok; ++t) {
+        const float *p = probs + t * n_expert;
+        int32_t *id = ids + t * k;
+        float *w = weights + t * k;
+        if (!choose_apart) {
+            top_k(p, n_expert, k, id, w);
+        } else {
+            // DeepSeek-V3 (HF DeepseekV3TopkRouter, llama.cpp build_moe_ffn): choose on score + bias; keep only
+            // the groups with the largest sums of their two best choosing scores; the weights are the unbiased
+            // scores of the chosen experts.
+            for (int64_t e = 0; e < n_expert; ++e)
+                choice[size_t(e)] = p[e] + (spec.select_bias ? spec.select_bias[e] : 0.0f);
+            if (spec.n_group > 1) {
+                for (int64_t g = 0; g < spec.n_group; ++g) {
+                    float best[2];
+                    int32_t unused[2];
+                    top_k(choice.data() + g * per_group, per_group, 2, unused, best);
+                    group_score[size_t(g)] = best[0] + best[1];
+                }
+                std::array<float, kMax> kept;
+                top_k(group_score.data(), spec.n_group, spec.n_group_used, group_ids.data(), kept.data());
+                std::array<bool, kMax> keep{};
+                for (int64_t j = 0; j < spec.n_group_used; ++j) keep[size_t(group_ids[size_t(j)])] = true;
+                for (int64_t e = 0; e < n_expert; ++e) {
+                    if (!keep[size_t(e / per_group)]) choice[size_t(e)] = -INFINITY;
+                }
+            }
+            top_k(choice.data(), n_expert, k, id, w);
+            for (int64_t j = 0; j < k; ++j) w[j] = p[id[j]];
+        }
+        // HF GptOssTopKRouter, llama.cpp LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT: softmax over the k chosen.
+        if (spec.softmax_topk) softmax(w, 1, k);
+        if (spec.renorm) {
+            float sum = 0.0f;
+            for (int64_t j = 0; j < k; ++j) sum += w[j];
+            for (int64_t j = 0; j < k; ++j) w[j] /= sum;
+        }
+        if (spec.scale != 1.0f) {
+            for (int64_t j = 0; j < k; ++j) w[j] *= spec.scale;
+        }
     }
 }
 

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace prescope::cpu {
 
@@ -121,8 +122,11 @@ struct RopeYarn {
     float ext_factor = 1.0f;
     float mscale = 1.0f;
 };
+/// The inverse frequency of each pair i < head_dim/2, in F32 as HF computes them (1 / base^(2i/head_dim)), or the
+/// YaRN blend of them when yarn is given. The one table cpu::rope and cuda::rope (uploaded) turn by.
+std::vector<float> rope_inv_freq(int64_t head_dim, float freq_base, const RopeYarn *yarn = nullptr);
 /// Rotates x: [n_tok][n_head][head_dim] in place; token t sits at position pos[t].
-/// theta_i = pos * freq_base^(-2i/head_dim), i < head_dim/2, or the YaRN blend of it when yarn is given.
+/// theta_i = pos * rope_inv_freq(...)[i], i < head_dim/2; cos and sin times yarn->mscale when yarn is given.
 void rope(float *x, int64_t n_tok, int64_t n_head, int64_t head_dim, const int32_t *pos, float freq_base,
           RopeMode mode, const RopeYarn *yarn = nullptr);
 
@@ -154,5 +158,32 @@ constexpr float kSwigluOaiLimit = 7.0f;
 
 /// The k largest of n scores: ids in descending score order (ties: lower index first), values too.
 void top_k(const float *scores, int64_t n, int64_t k, int32_t *ids, float *values);
+
+/// How a router turns gate logits into the scores its weights come from (arch/arch.h ExpertGating).
+enum class RouterScore : uint8_t {
+    SOFTMAX,  // softmax over all experts (Qwen, Mixtral, OLMoE, DeepSeek-V2)
+    SIGMOID,  // per-expert sigmoid (DeepSeek-V3)
+    LOGITS,   // the logits themselves (gpt-oss, with softmax_topk)
+};
+
+/// A router's steps after the gate matmul, as data (runtime/moe.h router_spec builds it from a model). The bias
+/// pointers live where the router runs (host memory for cpu::route, device memory for cuda::router_topk).
+struct RouterSpec {
+    RouterScore score = RouterScore::SOFTMAX;
+    const float *logit_bias = nullptr;   // [n_expert] added to the logits first (ffn_gate_inp.bias), or null
+    const float *select_bias = nullptr;  // [n_expert] added to the scores for choosing only (exp_probs_b), or null
+    int n_group = 1, n_group_used = 1;   // choose only among the n_group_used groups whose two best scores sum highest
+    bool softmax_topk = false;           // weights = softmax over the k chosen (HF GptOssTopKRouter)
+    bool renorm = false;                 // weights divided by their sum, summed in top-k order (norm_topk_prob)
+    float scale = 1.0f;                  // weights times this, last (expert_weights_scale)
+};
+
+/// Routes n_tok tokens (HF Qwen3MoeSparseMoeBlock, DeepseekV3TopkRouter, GptOssTopKRouter; llama.cpp
+/// build_moe_ffn): scores v = score(logits + logit_bias) in F32, written over `logits` ([n_tok][n_expert]);
+/// choosing scores c = v + select_bias, -inf outside the n_group_used groups (of n_expert / n_group consecutive
+/// experts) with the largest sums of their two best c; ids = the k largest c (top_k's order); weights = those
+/// experts' v, then softmax_topk, renorm and scale in that order. ids, weights: [n_tok][k]. n_expert <= 1024.
+void route(const RouterSpec &spec, float *logits, int64_t n_tok, int64_t n_expert, int64_t k, int32_t *ids,
+           float *weights);
 
 } // namespace prescope::cpu

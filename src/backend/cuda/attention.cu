@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <type_traits>
 
 namespace prescope::cuda {
 
@@ -279,7 +280,7 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attention_kernel(const AttnAr
 }
 
 // Merges the splits of one (token, head): out = sum_s o_s e^(m_s - M) / sum_s l_s e^(m_s - M). Warp 0
-// turns the splits' (m, l) into weights; then one thread per element of head_dim sums the partials.
+// turns the splits' (m, l) into weights; then the threads sum the partials, one element of head_dim each in turn.
 // Splits that saw no key (m = -inf, l = 0, o = 0) weigh 0; split 0 always holds key 0, so M is finite.
 __global__ void __launch_bounds__(256) attention_merge_kernel(const float *__restrict__ part_o,
                                                               const float *__restrict__ part_ml, int64_t n_tok,
@@ -300,13 +301,16 @@ __global__ void __launch_bounds__(256) attention_merge_kernel(const float *__res
         if (s1 < n_split) w[s1] = m1 == -INFINITY ? 0.0f : expf(m1 - mx) / l;
     }
     __syncthreads();
-    const int d = int(threadIdx.x);
-    if (d >= hd) return;
-    float o = 0.0f;
+    for (int d = int(threadIdx.x); d < hd; d += int(blockDim.x)) {
+        float o = 0.0f;
 #pragma unroll 8
-    for (int s = 0; s < n_split; ++s) o = fmaf(w[s], part_o[(s * stride + th) * hd + d], o);
-    out[th * hd + d] = o;
+        for (int s = 0; s < n_split; ++s) o = fmaf(w[s], part_o[(s * stride + th) * hd + d], o);
+        out[th * hd + d] = o;
+    }
 }
+
+/// Threads of a merge block for rows of hd floats: one per float, at least a warp, at most 256.
+unsigned merge_threads(int64_t hd) { return unsigned(hd < kWarp ? kWarp : hd > 256 ? 256 : hd); }
 
 size_t split_bytes(int n_split, int64_t n_tok, int64_t n_head, int64_t head_dim) {
     if (n_split <= 1) return 0;
@@ -353,6 +357,137 @@ void launch_attention_rows(const AttnArgs &a, cudaStream_t stream) {
     case 8: launch_attention<HD, 8>(a, stream); break;
     default: launch_attention<HD, kAttnMaxRows>(a, stream); break;
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Latent (MLA) attention: a block takes one token, up to kLatHeads query heads and one split of its keys; tiles
+// of kLatKeys cached rows go through shared memory (rows padded by one float, so the keys one warp scores fall on
+// distinct banks); thread (head, key) scores, a warp per head updates the online softmax, and thread i owns value
+// columns i, i + 256, ... of every head.
+
+constexpr int kLatThreads = 256;
+constexpr int kLatHeads = 16;
+constexpr int kLatKeys = 16;
+constexpr int64_t kLatMaxDk = 1024;
+
+struct LatentArgs {
+    const float *q, *cache;
+    float *out, *part_o, *part_ml;
+    int64_t n_tok, pos0, n_head, dk, dv, split_len;
+    int n_split;
+    float scale;
+};
+
+size_t latent_smem_bytes(int64_t dk) {
+    return sizeof(float) * size_t((kLatHeads + kLatKeys) * (dk + 1) + kLatHeads * kLatKeys + 3 * kLatHeads);
+}
+
+template <int NC>
+__global__ void __launch_bounds__(kLatThreads) attention_latent_kernel(const LatentArgs a) {
+    extern __shared__ float sm[];
+    const int64_t dkp = a.dk + 1;
+    float *qs = sm, *ks = qs + kLatHeads * dkp, *ps = ks + kLatKeys * dkp, *mh = ps + kLatHeads * kLatKeys;
+    float *lh = mh + kLatHeads, *al = lh + kLatHeads;
+    const int tid = int(threadIdx.x), lane = tid % kWarp, warp = tid / kWarp;
+    const int64_t t = blockIdx.x, h0 = int64_t(blockIdx.y) * kLatHeads;
+    const int nh = int(min(int64_t(kLatHeads), a.n_head - h0));
+    const int split = int(blockIdx.z);
+    const int64_t n_kv = a.pos0 + t + 1;  // causal: positions 0 ..= pos0 + t
+    const int64_t k_begin = int64_t(split) * a.split_len, k_end = min(n_kv, k_begin + a.split_len);
+
+    for (int64_t i = tid; i < int64_t(nh) * a.dk; i += kLatThreads) {
+        const int64_t h = i / a.dk, c = i % a.dk;
+        qs[h * dkp + c] = a.q[(t * a.n_head + h0 + h) * a.dk + c];
+    }
+    if (tid < kLatHeads) {
+        mh[tid] = -INFINITY;
+        lh[tid] = 0.0f;
+    }
+    float acc[NC][kLatHeads];
+#pragma unroll
+    for (int ci = 0; ci < NC; ++ci)
+#pragma unroll
+        for (int h = 0; h < kLatHeads; ++h) acc[ci][h] = 0.0f;
+
+    for (int64_t k0 = k_begin; k0 < k_end; k0 += kLatKeys) {
+        const int nk = int(min(int64_t(kLatKeys), k_end - k0));
+        __syncthreads();  // the previous tile's readers are done (and q is in place)
+        for (int64_t i = tid; i < int64_t(nk) * a.dk; i += kLatThreads) {
+            ks[(i / a.dk) * dkp + i % a.dk] = a.cache[k0 * a.dk + i];
+        }
+        __syncthreads();
+        for (int idx = tid; idx < nh * kLatKeys; idx += kLatThreads) {
+            const int h = idx / kLatKeys, j = idx % kLatKeys;
+            float dot = 0.0f;
+            if (j < nk) {
+                const float *qr = qs + h * dkp, *kr = ks + j * dkp;
+                for (int64_t c = 0; c < a.dk; ++c) dot = fmaf(qr[c], kr[c], dot);
+            }
+            ps[h * kLatKeys + j] = j < nk ? dot * a.scale : -INFINITY;
+        }
+        __syncthreads();
+        for (int h = warp; h < nh; h += kLatThreads / kWarp) {
+            const float sc = lane < kLatKeys ? ps[h * kLatKeys + lane] : -INFINITY;
+            const float m_old = mh[h], m_new = fmaxf(m_old, warp_max(sc));
+            const float p = lane < nk ? expf(sc - m_new) : 0.0f;
+            const float sum = warp_sum(p);
+            if (lane < kLatKeys) ps[h * kLatKeys + lane] = p;
+            if (lane == 0) {
+                const float alpha = m_old == -INFINITY ? 0.0f : expf(m_old - m_new);
+                al[h] = alpha;
+                lh[h] = lh[h] * alpha + sum;
+                mh[h] = m_new;
+            }
+        }
+        __syncthreads();
+#pragma unroll
+        for (int ci = 0; ci < NC; ++ci) {
+            const int64_t d = tid + ci * kLatThreads;
+            if (d >= a.dv) continue;
+#pragma unroll
+            for (int h = 0; h < kLatHeads; ++h) acc[ci][h] *= h < nh ? al[h] : 0.0f;
+            for (int j = 0; j < nk; ++j) {
+                const float v = ks[j * dkp + d];
+#pragma unroll
+                for (int h = 0; h < kLatHeads; ++h) acc[ci][h] = fmaf(ps[h * kLatKeys + j], v, acc[ci][h]);
+            }
+        }
+    }
+    __syncthreads();  // lh / mh final
+#pragma unroll
+    for (int ci = 0; ci < NC; ++ci) {
+        const int64_t d = tid + ci * kLatThreads;
+        if (d >= a.dv) continue;
+#pragma unroll
+        for (int h = 0; h < kLatHeads; ++h) {
+            if (h >= nh) continue;
+            const int64_t th = t * a.n_head + h0 + h;
+            if (a.n_split == 1) {
+                a.out[th * a.dv + d] = acc[ci][h] / lh[h];
+            } else {
+                const int64_t row = int64_t(split) * a.n_tok * a.n_head + th;
+                a.part_o[row * a.dv + d] = acc[ci][h];
+                if (d == 0) {
+                    a.part_ml[row * 2] = mh[h];
+                    a.part_ml[row * 2 + 1] = lh[h];
+                }
+            }
+        }
+    }
+}
+
+/// Splits a latent attention's keys until the (token, head group) blocks fill two waves of the GPU (as
+/// plan_splits), at most kAttnMaxSplits and as many as fit in ws_bytes.
+SplitPlan latent_splits(int64_t n_tok, int64_t pos0, int64_t n_head, int64_t dv, size_t ws_bytes) {
+    const int64_t n_kv = pos0 + n_tok, blocks = n_tok * ceil_div(n_head, kLatHeads);
+    const int64_t want = 2 * int64_t(sm_count());
+    int64_t n = blocks < want ? ceil_div(want, blocks) : 1;
+    n = std::min({n, ceil_div(n_kv, kLatKeys), int64_t(kAttnMaxSplits)});
+    while (n > 1 && split_bytes(int(n), n_tok, n_head, dv) > ws_bytes) --n;
+    SplitPlan p;
+    p.split_len = ceil_div(ceil_div(n_kv, n), kLatKeys) * kLatKeys;
+    p.n_split = int(ceil_div(n_kv, p.split_len));
+    return p;
 }
 
 } // namespace
@@ -405,9 +540,54 @@ void attention(const float *q, const float *k_cache, const float *v_cache, int64
     default: launch_attention_rows<256>(a, stream); break;
     }
     if (plan.n_split > 1)
-        attention_merge_kernel<<<unsigned(n_tok * n_head), unsigned(head_dim < kWarp ? kWarp : head_dim), 0, stream>>>(
+        attention_merge_kernel<<<unsigned(n_tok * n_head), merge_threads(head_dim), 0, stream>>>(
             a.part_o, a.part_ml, n_tok, n_head, int(head_dim), plan.n_split, out);
     launch_check("attention", stream);
+}
+
+size_t attention_latent_workspace_bytes(int64_t n_tok, int64_t pos0, int64_t n_head, int64_t dv) {
+    if (n_tok <= 0 || n_head <= 0 || dv <= 0) return 0;
+    return split_bytes(latent_splits(n_tok, pos0, n_head, dv, SIZE_MAX).n_split, n_tok, n_head, dv);
+}
+
+void attention_latent(const float *q, const float *cache, int64_t n_tok, int64_t pos0, int64_t n_head, int64_t dk,
+                      int64_t dv, float scale, float *out, Workspace ws, cudaStream_t stream) {
+    if (dk < 1 || dk > kLatMaxDk || dv < 1 || dv > dk || dv > 4 * kLatThreads || n_head < 1 ||
+        ceil_div(n_head, kLatHeads) > 65535) {
+        char msg[160];
+        std::snprintf(msg, sizeof msg, "attention_latent: rows of %lld with values of %lld, %lld heads (rows up to %lld, "
+                      "values up to the row and 1024)", (long long)dk, (long long)dv, (long long)n_head,
+                      (long long)kLatMaxDk);
+        cuda_unsupported(msg);
+    }
+    CUDA_ASSERT(n_tok >= 0 && n_tok < (int64_t(1) << 31) && pos0 >= 0);
+    if (n_tok == 0) return;
+    const SplitPlan plan = latent_splits(n_tok, pos0, n_head, dv, ws.ptr != nullptr ? ws.bytes : 0);
+    LatentArgs a{q, cache, out, nullptr, nullptr, n_tok, pos0, n_head, dk, dv, plan.split_len, plan.n_split, scale};
+    if (plan.n_split > 1) {
+        a.part_o = static_cast<float *>(ws.ptr);
+        a.part_ml = reinterpret_cast<float *>(static_cast<uint8_t *>(ws.ptr) +
+                                              align_256(sizeof(float) * size_t(n_tok * n_head) * size_t(plan.n_split) *
+                                                        size_t(dv)));
+    }
+    const size_t smem = latent_smem_bytes(dk);
+    const dim3 grid(unsigned(n_tok), unsigned(ceil_div(n_head, kLatHeads)), unsigned(plan.n_split));
+    auto launch = [&](auto nc) {
+        const void *kernel = reinterpret_cast<const void *>(attention_latent_kernel<decltype(nc)::value>);
+        if (smem > 48 * 1024) raise_dynamic_smem(kernel, smem);
+        attention_latent_kernel<decltype(nc)::value><<<grid, kLatThreads, smem, stream>>>(a);
+    };
+    if (dv <= kLatThreads) {
+        launch(std::integral_constant<int, 1>{});
+    } else if (dv <= 2 * kLatThreads) {
+        launch(std::integral_constant<int, 2>{});
+    } else {
+        launch(std::integral_constant<int, 4>{});
+    }
+    if (plan.n_split > 1)
+        attention_merge_kernel<<<unsigned(n_tok * n_head), merge_threads(dv), 0, stream>>>(
+            a.part_o, a.part_ml, n_tok, n_head, int(dv), plan.n_split, out);
+    launch_check("attention_latent", stream);
 }
 
 } // namespace prescope::cuda

@@ -26,4 +26,17 @@ size_t attention_workspace_bytes(int64_t n_tok, int64_t pos0, int64_t n_head, in
 void attention(const float *q, const float *k_cache, const float *v_cache, int64_t n_tok, int64_t pos0, int64_t n_head,
                int64_t n_head_kv, int64_t head_dim, float scale, float *out, Workspace ws, cudaStream_t stream);
 
+/// Workspace bytes attention_latent needs for these sizes on the current device (0 when it does not split the keys).
+size_t attention_latent_workspace_bytes(int64_t n_tok, int64_t pos0, int64_t n_head, int64_t dv);
+
+/// Causal attention of n_tok queries at positions [pos0, pos0 + n_tok) against one shared KV head whose values
+/// are the first dv floats of its keys: DeepSeek's MLA with absorbed weights (llama.cpp src/models/deepseek2.cpp
+/// runs it as MQA over the cached latent rows; runtime/context.cpp mla_attention_block). q: [n_tok][n_head][dk];
+/// cache: [>= pos0 + n_tok][dk] rows (every position up to pos0 + n_tok - 1 stored); out: [n_tok][n_head][dv]
+/// = softmax(scale * q.k) . v in F32 (online softmax; split keys merged as attention's). All F32 on the device.
+/// dk <= 1024, dv <= min(dk, 1024) (others throw Error). ws: up to attention_latent_workspace_bytes(...) (may
+/// be empty). Asynchronous on `stream`.
+void attention_latent(const float *q, const float *cache, int64_t n_tok, int64_t pos0, int64_t n_head, int64_t dk,
+                      int64_t dv, float scale, float *out, Workspace ws, cudaStream_t stream);
+
 } // namespace prescope::cuda

@@ -94,4 +94,29 @@ void scatter_rows(const float *src, int64_t n_rows, int64_t n, const int32_t *ro
     CUDA_CHECK(cudaGetLastError());
 }
 
+namespace {
+
+__global__ void __launch_bounds__(kConvertThreads)
+    copy_heads_kernel(const float *__restrict__ src, HeadLayout sl, float *__restrict__ dst, HeadLayout dl,
+                      int64_t n_head, int64_t n, int64_t n_vec) {
+    for (int64_t v = blockIdx.x; v < n_vec; v += gridDim.x) {  // v = t * n_head + h
+        const int64_t t = v / n_head, h = v % n_head;
+        const float *a = src + t * sl.tok + h * sl.head;
+        float *b = dst + t * dl.tok + h * dl.head;
+        for (int64_t c = threadIdx.x; c < n; c += kConvertThreads) b[c] = a[c];
+    }
+}
+
+} // namespace
+
+void copy_heads(const float *src, HeadLayout src_layout, float *dst, HeadLayout dst_layout, int64_t n_tok,
+                int64_t n_head, int64_t n, cudaStream_t stream) {
+    CUDA_ASSERT(n_tok >= 0 && n_head > 0 && n > 0);
+    const int64_t n_vec = n_tok * n_head;
+    if (n_vec == 0) return;
+    const unsigned grid = unsigned(n_vec < 65536 ? n_vec : 65536);
+    copy_heads_kernel<<<grid, kConvertThreads, 0, stream>>>(src, src_layout, dst, dst_layout, n_head, n, n_vec);
+    launch_check("copy_heads", stream);
+}
+
 } // namespace prescope::cuda

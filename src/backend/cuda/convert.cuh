@@ -30,4 +30,15 @@ void get_rows(DType type, const void *table, int64_t n_embd, int64_t n_vocab, co
 /// dst; n a multiple of 4, src and dst 16-byte aligned. Async on `stream`.
 void scatter_rows(const float *src, int64_t n_rows, int64_t n, const int32_t *rows, float *dst, cudaStream_t stream);
 
+/// Element strides (in floats) of a [n_tok][n_head] grid of vectors: vector (t, h) starts at t * tok + h * head.
+struct HeadLayout {
+    int64_t tok = 0, head = 0;
+};
+/// dst vector (t, h) = the first n floats of src vector (t, h), t < n_tok, h < n_head: reorders per-head vectors
+/// between token-major and head-major layouts, or takes a part of longer rows (DeepSeek's MLA takes the no-rope
+/// part of each query head, and interleaves the heads of its per-head products). src and dst F32 on the device,
+/// must not overlap. Async on `stream`.
+void copy_heads(const float *src, HeadLayout src_layout, float *dst, HeadLayout dst_layout, int64_t n_tok,
+                int64_t n_head, int64_t n, cudaStream_t stream);
+
 } // namespace prescope::cuda

@@ -5,6 +5,7 @@
 #include "backend/cuda/device.cuh"
 
 #include <climits>
+#include <type_traits>
 
 namespace prescope::cuda {
 
@@ -25,73 +26,154 @@ __device__ __forceinline__ bool ranks_before(float a, int ia, float b, int ib) {
     return ia < ib;
 }
 
+/// The better of two (value, id) candidates, id INT_MAX meaning none.
+__device__ __forceinline__ void take_better(float &bv, int &bi, float &bw, float ov, int oi, float ow) {
+    if (oi != INT_MAX && (bi == INT_MAX || ranks_before(ov, oi, bv, bi))) {
+        bv = ov;
+        bi = oi;
+        bw = ow;
+    }
+}
+
+/// The warp's best (value, id, weight) of each lane's candidate: every lane ends with the winner.
+__device__ __forceinline__ void warp_best(float &bv, int &bi, float &bw) {
+#pragma unroll
+    for (int o = kWarp / 2; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, bv, o), ow = __shfl_xor_sync(0xffffffffu, bw, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+        take_better(bv, bi, bw, ov, oi, ow);
+    }
+}
+
 template <int L>
 __global__ void __launch_bounds__(kRouterWarps *kWarp)
-    router_topk_kernel(const float *__restrict__ logits, int64_t n_tok, int n_expert, int k, bool renorm,
+    router_topk_kernel(const float *__restrict__ logits, int64_t n_tok, int n_expert, int k, const RouterSpec spec,
                        float *probs, int32_t *ids, float *weights) {
     const int lane = int(threadIdx.x) % kWarp;
     const int64_t t = int64_t(blockIdx.x) * kRouterWarps + threadIdx.x / kWarp;
     if (t >= n_tok) return;  // whole warps leave together
     const float *row = logits + t * n_expert;
 
+    // Scores (the routing weights' source) in v, as moe_route computes them.
     float v[L];
-    float mx = -INFINITY;
 #pragma unroll
     for (int i = 0; i < L; ++i) {
         const int e = i * kWarp + lane;
-        v[i] = e < n_expert ? row[e] : -INFINITY;
-        mx = fmaxf(mx, v[i]);
+        v[i] = e < n_expert ? row[e] + (spec.logit_bias ? spec.logit_bias[e] : 0.0f) : -INFINITY;
     }
-    mx = warp_max(mx);
-    float sum = 0.0f;
+    if (spec.score == RouterScore::SOFTMAX) {
+        float mx = -INFINITY;
 #pragma unroll
-    for (int i = 0; i < L; ++i) {
-        const int e = i * kWarp + lane;
-        v[i] = e < n_expert ? expf(v[i] - mx) : 0.0f;
-        sum += v[i];
+        for (int i = 0; i < L; ++i) mx = fmaxf(mx, v[i]);
+        mx = warp_max(mx);
+        float sum = 0.0f;
+#pragma unroll
+        for (int i = 0; i < L; ++i) {
+            const int e = i * kWarp + lane;
+            v[i] = e < n_expert ? expf(v[i] - mx) : 0.0f;
+            sum += v[i];
+        }
+        sum = warp_sum(sum);
+        const float inv = float(1.0 / double(sum));
+#pragma unroll
+        for (int i = 0; i < L; ++i) v[i] *= inv;
+    } else if (spec.score == RouterScore::SIGMOID) {
+#pragma unroll
+        for (int i = 0; i < L; ++i) v[i] = 1.0f / (1.0f + expf(-v[i]));
     }
-    sum = warp_sum(sum);
-    const float inv = float(1.0 / double(sum));
+    if (probs != nullptr) {
 #pragma unroll
-    for (int i = 0; i < L; ++i) {
-        const int e = i * kWarp + lane;
-        v[i] *= inv;
-        if (probs != nullptr && e < n_expert) probs[t * n_expert + e] = v[i];
+        for (int i = 0; i < L; ++i) {
+            const int e = i * kWarp + lane;
+            if (e < n_expert) probs[t * n_expert + e] = v[i];
+        }
     }
 
+    // Choosing scores c: v plus the selection bias, outside the best groups -inf (DeepSeek-V3).
+    float c[L];
+#pragma unroll
+    for (int i = 0; i < L; ++i) {
+        const int e = i * kWarp + lane;
+        c[i] = spec.select_bias && e < n_expert ? v[i] + spec.select_bias[e] : v[i];
+    }
+    if (spec.n_group > 1) {
+        const int per_group = n_expert / spec.n_group;
+        float my_score = 0.0f;  // lane g: group g's sum of its two best choosing scores
+        for (int g = 0; g < spec.n_group; ++g) {
+            float b1 = 0.0f, b2 = 0.0f, unused = 0.0f;
+            int i1 = INT_MAX, i2 = INT_MAX;
+#pragma unroll
+            for (int i = 0; i < L; ++i) {
+                const int e = i * kWarp + lane;
+                if (e >= n_expert || e / per_group != g) continue;
+                if (i1 == INT_MAX || ranks_before(c[i], e, b1, i1)) {
+                    b2 = b1, i2 = i1;
+                    b1 = c[i], i1 = e;
+                } else if (i2 == INT_MAX || ranks_before(c[i], e, b2, i2)) {
+                    b2 = c[i], i2 = e;
+                }
+            }
+            // The group's best, then its second: the best of what is left once the winner is removed.
+            float w1 = b1;
+            int j1 = i1;
+            warp_best(w1, j1, unused);
+            const bool won = i1 == j1 && i1 != INT_MAX;
+            float r = won ? b2 : b1;
+            int ri = won ? i2 : i1;
+            warp_best(r, ri, unused);
+            if (lane == g) my_score = w1 + r;
+        }
+        uint32_t keep = 0;
+        for (int r = 0; r < spec.n_group_used; ++r) {
+            float bv = my_score, bw = 0.0f;
+            int bi = lane < spec.n_group && !((keep >> lane) & 1u) ? lane : INT_MAX;
+            warp_best(bv, bi, bw);
+            keep |= 1u << bi;
+        }
+#pragma unroll
+        for (int i = 0; i < L; ++i) {
+            const int e = i * kWarp + lane;
+            if (e < n_expert && !((keep >> (e / per_group)) & 1u)) c[i] = -INFINITY;
+        }
+    }
+
+    // k rounds of a warp arg-max over c; the weight is the winner's v.
     uint32_t taken = 0;  // bit i: expert i * 32 + lane already picked
-    float pick_w = 0.0f, sum_w = 0.0f;
+    float w = 0.0f;      // lane j < k: the j-th pick's weight
     int pick_id = 0;
     for (int r = 0; r < k; ++r) {
-        float bv = 0.0f;
+        float bv = 0.0f, bw = 0.0f;
         int bi = INT_MAX;  // INT_MAX: no candidate
 #pragma unroll
         for (int i = 0; i < L; ++i) {
             const int e = i * kWarp + lane;
-            if (e < n_expert && !((taken >> i) & 1u) && (bi == INT_MAX || ranks_before(v[i], e, bv, bi))) {
-                bv = v[i];
-                bi = e;
-            }
+            if (e < n_expert && !((taken >> i) & 1u)) take_better(bv, bi, bw, c[i], e, v[i]);
         }
-#pragma unroll
-        for (int o = kWarp / 2; o > 0; o >>= 1) {
-            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-            if (oi != INT_MAX && (bi == INT_MAX || ranks_before(ov, oi, bv, bi))) {
-                bv = ov;
-                bi = oi;
-            }
-        }
+        warp_best(bv, bi, bw);
         if (bi % kWarp == lane) taken |= 1u << (bi / kWarp);
         if (lane == r) {
-            pick_w = bv;
+            w = bw;
             pick_id = bi;
         }
-        sum_w += bv;
     }
+    if (spec.softmax_topk) {
+        // cpu::softmax over the k weights: max-subtracted, the sum in double in top-k order.
+        float mx = lane < k ? w : -INFINITY;
+        mx = warp_max(mx);
+        const float ex = lane < k ? expf(w - mx) : 0.0f;
+        double sum = 0.0;
+        for (int j = 0; j < k; ++j) sum += double(__shfl_sync(0xffffffffu, ex, j));
+        w = ex * float(1.0 / sum);
+    }
+    if (spec.renorm) {
+        float sum = 0.0f;  // in top-k order, as the CPU sums
+        for (int j = 0; j < k; ++j) sum += __shfl_sync(0xffffffffu, w, j);
+        w /= sum;
+    }
+    if (spec.scale != 1.0f) w *= spec.scale;
     if (lane < k) {
         ids[t * k + lane] = pick_id;
-        weights[t * k + lane] = renorm ? pick_w / sum_w : pick_w;
+        weights[t * k + lane] = w;
     }
 }
 
@@ -202,27 +284,36 @@ void resolve_device_hits(const DeviceHitsArgs &args, const int32_t *index, const
     launch_check("resolve_device_hits", stream);
 }
 
-void router_topk(const float *logits, int64_t n_tok, int64_t n_expert, int64_t k, bool renorm, float *probs,
-                 int32_t *ids, float *weights, cudaStream_t stream) {
+void router_topk(const float *logits, int64_t n_tok, int64_t n_expert, int64_t k, const RouterSpec &spec,
+                 float *probs, int32_t *ids, float *weights, cudaStream_t stream) {
     if (n_expert < 1 || n_expert > 32 * kWarp) cuda_unsupported("router_topk: n_expert must be 1..1024");
     if (k < 1 || k > kRouterMaxK || k > n_expert) cuda_unsupported("router_topk: k must be 1..min(32, n_expert)");
+    if (spec.n_group < 1 || spec.n_group > kWarp || n_expert % spec.n_group != 0 || n_expert / spec.n_group < 2 ||
+        spec.n_group_used < 1 || spec.n_group_used > spec.n_group) {
+        cuda_unsupported("router_topk: expert groups must be 1..32, divide n_expert into groups of >= 2, and keep "
+                         "1..n_group of them");
+    }
     if (n_tok <= 0) return;
     const unsigned grid = unsigned(ceil_div(n_tok, kRouterWarps));
     const int ne = int(n_expert), kk = int(k);
     const int threads = kRouterWarps * kWarp;
     const int slots = int(ceil_div(n_expert, kWarp));
+    auto run = [&](auto l) {
+        router_topk_kernel<decltype(l)::value><<<grid, threads, 0, stream>>>(logits, n_tok, ne, kk, spec, probs, ids,
+                                                                             weights);
+    };
     if (slots <= 1) {
-        router_topk_kernel<1><<<grid, threads, 0, stream>>>(logits, n_tok, ne, kk, renorm, probs, ids, weights);
+        run(std::integral_constant<int, 1>{});
     } else if (slots <= 2) {
-        router_topk_kernel<2><<<grid, threads, 0, stream>>>(logits, n_tok, ne, kk, renorm, probs, ids, weights);
+        run(std::integral_constant<int, 2>{});
     } else if (slots <= 4) {
-        router_topk_kernel<4><<<grid, threads, 0, stream>>>(logits, n_tok, ne, kk, renorm, probs, ids, weights);
+        run(std::integral_constant<int, 4>{});
     } else if (slots <= 8) {
-        router_topk_kernel<8><<<grid, threads, 0, stream>>>(logits, n_tok, ne, kk, renorm, probs, ids, weights);
+        run(std::integral_constant<int, 8>{});
     } else if (slots <= 16) {
-        router_topk_kernel<16><<<grid, threads, 0, stream>>>(logits, n_tok, ne, kk, renorm, probs, ids, weights);
+        run(std::integral_constant<int, 16>{});
     } else {
-        router_topk_kernel<32><<<grid, threads, 0, stream>>>(logits, n_tok, ne, kk, renorm, probs, ids, weights);
+        run(std::integral_constant<int, 32>{});
     }
     launch_check("router_topk", stream);
 }

@@ -2,21 +2,27 @@
 // weighted combination of the expert outputs of each token.
 #pragma once
 
+#include "backend/cpu/ops.h"
+
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
 
 namespace prescope::cuda {
 
-/// Router of one MoE layer from its gate logits (moe_route after the gate matmul; llama.cpp
-/// build_moe_ffn, HF Qwen3MoeSparseMoeBlock): probs = softmax(logits) in F32; ids = the k largest probs
-/// in descending order (ties to the lower id, NaN below every number: cpu::top_k's order); weights =
-/// those probs, divided by their sum (summed in top-k order) when `renorm` (norm_topk_prob).
-/// logits: [n_tok][n_expert] F32; probs: [n_tok][n_expert] F32 or nullptr (not written); ids:
-/// [n_tok][k] int32; weights: [n_tok][k] F32; all on the device. n_expert <= 1024, k <= min(32, n_expert).
-/// Asynchronous on `stream`.
-void router_topk(const float *logits, int64_t n_tok, int64_t n_expert, int64_t k, bool renorm, float *probs,
-                 int32_t *ids, float *weights, cudaStream_t stream);
+using RouterScore = cpu::RouterScore;
+using RouterSpec = cpu::RouterSpec;
+
+/// Router of one MoE layer from its gate logits (moe_route after the gate matmul; llama.cpp build_moe_ffn, HF
+/// Qwen3MoeSparseMoeBlock, DeepseekV3TopkRouter, GptOssTopKRouter): scores v = score(logits + logit_bias) in F32;
+/// choosing scores c = v + select_bias, set to -inf outside the kept groups; ids = the k largest c in descending
+/// order (ties to the lower id, NaN below every number: cpu::top_k's order); weights = those experts' v, then
+/// softmax_topk, renorm and scale in that order. probs: [n_tok][n_expert] receives v (or nullptr: not written).
+/// logits: [n_tok][n_expert] F32; ids: [n_tok][k] int32; weights: [n_tok][k] F32; all on the device.
+/// n_expert <= 1024, k <= min(32, n_expert); groups: n_group <= 32 dividing n_expert into groups of >= 2 (others
+/// throw Error). Asynchronous on `stream`.
+void router_topk(const float *logits, int64_t n_tok, int64_t n_expert, int64_t k, const RouterSpec &spec,
+                 float *probs, int32_t *ids, float *weights, cudaStream_t stream);
 
 /// out[t] = sum_{j < k} weights[t][j] * y[pair_ids[t][j]] for t < n_tok, summed in ascending j (the
 /// top-k order the CPU executor sums in); with `accumulate`, the sum starts from out[t] instead of 0.

@@ -8,10 +8,11 @@ namespace prescope::cuda {
 
 namespace {
 
-__global__ void rms_norm_kernel(const float *x, const float *__restrict__ w, int64_t n, float eps, float *y) {
+__global__ void rms_norm_kernel(const float *x, const float *__restrict__ w, int64_t n, int64_t stride, float eps,
+                                float *y) {
     __shared__ float scratch[kWarp];
-    const float *xr = x + int64_t(blockIdx.x) * n;
-    float *yr = y + int64_t(blockIdx.x) * n;
+    const float *xr = x + int64_t(blockIdx.x) * stride;
+    float *yr = y + int64_t(blockIdx.x) * stride;
     float sum = 0.0f;
     for (int64_t i = threadIdx.x; i < n; i += blockDim.x) sum = fmaf(xr[i], xr[i], sum);
     sum = block_sum(sum, scratch);  // also orders every read of x before the writes below (y may alias x)
@@ -21,10 +22,11 @@ __global__ void rms_norm_kernel(const float *x, const float *__restrict__ w, int
 
 } // namespace
 
-void rms_norm(const float *x, const float *w, int64_t n_rows, int64_t n, float eps, float *y, cudaStream_t stream) {
-    CUDA_ASSERT(n > 0 && n_rows >= 0 && n_rows < (int64_t(1) << 31));
+void rms_norm(const float *x, const float *w, int64_t n_rows, int64_t n, float eps, float *y, cudaStream_t stream,
+              int64_t row_stride) {
+    CUDA_ASSERT(n > 0 && n_rows >= 0 && n_rows < (int64_t(1) << 31) && (row_stride == 0 || row_stride >= n));
     if (n_rows == 0) return;
-    rms_norm_kernel<<<unsigned(n_rows), row_threads(n), 0, stream>>>(x, w, n, eps, y);
+    rms_norm_kernel<<<unsigned(n_rows), row_threads(n), 0, stream>>>(x, w, n, row_stride > 0 ? row_stride : n, eps, y);
     launch_check("rms_norm", stream);
 }
 
