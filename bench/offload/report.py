@@ -3,7 +3,10 @@
 
     python3 bench/offload/report.py OUT_DIR [--json-out bench/results/offload-q30b.json] [--command "..."]
     python3 bench/offload/report.py --brief prescope-12.jsonl      # one line, used by the device script
-    python3 bench/offload/report.py --match-ncmoe PEAK_MIB [--shape mixtral-8x7b]   # llama.cpp --n-cpu-moe for it
+    python3 bench/offload/report.py --match-ncmoe PEAK_MIB [--shape mixtral-8x7b] [--llama-base-mib B]
+                                                                    # llama.cpp --n-cpu-moe for it
+    python3 bench/offload/report.py --llama-base PEER_PEAK_MIB --ncmoe N --shape deepseek-v2-lite
+                                                                    # llama.cpp's base measured from one run
 
 Row fields (issue 4): model, budget_gib, gpu_mem_gib, decode_tok_s, prefill_tok_s, peer, peer_args,
 peer_decode_tok_s, peer_prefill_tok_s, decode_ratio, prefill_ratio, hit_rate, pcie_gb_s, pcie_bytes_per_token,
@@ -25,10 +28,20 @@ PCIE_PEAK_B_S = 55.5e9
 # - qwen3-30b-a3b: 2.4 GiB, plus one layer's 128 Q8_0 experts (128 x 3 x 768 x 2048 x 34/32 bytes = 612 MiB);
 # - mixtral-8x7b: 8 x 3 x 14336 x 4096 x 34/32 bytes = 1427 MiB per layer; the base is the mean of what -ncmoe 24
 #   (14.3 GiB) and -ncmoe 16 (25.7 GiB) leave after their 8 and 16 layers of experts.
-LLAMA_MEMORY = {"qwen3-30b-a3b": (2458.0, 612.0, 48), "mixtral-8x7b": (3356.0, 1427.0, 32)}
+# - deepseek-v2-lite: 64 x 3 x 1408 x 2048 x 34/32 bytes = 561 MiB per MoE layer (the shared experts stay on the GPU:
+#   -ncmoe moves only ffn_*_exps); 27 blocks of which block 0 is dense, so -ncmoe N leaves the experts of blocks
+#   N..26 on the GPU. The base is an estimate until measured (not yet run): the Qwen3 base less its larger weights
+#   and logits buffer (GPU weights 1126 MiB against 1281, logits of 512 x 102400 against 512 x 151936 floats).
+#   bench_offload.sh measures it from its first peer run (--llama-base) and matches the other budgets with that.
+LLAMA_MEMORY = {"qwen3-30b-a3b": (2458.0, 612.0, 48), "mixtral-8x7b": (3356.0, 1427.0, 32),
+                "deepseek-v2-lite": (2150.0, 561.0, 27)}
+# Leading dense blocks (no experts for -ncmoe to move) per shape; 0 where absent.
+LLAMA_DENSE_LEAD = {"deepseek-v2-lite": 1}
 MODEL_TEXT = {"qwen3-30b-a3b": "qwen3moe Qwen3-30B-A3B shape, random weights, Q8_0 (tools/py/make_bench_model.py)",
               "mixtral-8x7b": "llama+experts Mixtral-8x7B shape, random weights, Q8_0 (tools/py/make_bench_model.py "
-                              "--shape mixtral-8x7b)"}
+                              "--shape mixtral-8x7b)",
+              "deepseek-v2-lite": "deepseek2 DeepSeek-V2-Lite shape, random weights, Q8_0 "
+                                  "(tools/py/make_bench_model.py --shape deepseek-v2-lite)"}
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -53,11 +66,26 @@ def brief(path: Path) -> str:
     return "; ".join(parts) or "no rows"
 
 
-def match_ncmoe(peak_mib: float, shape: str = "qwen3-30b-a3b") -> int:
-    """The --n-cpu-moe that gives llama.cpp about peak_mib of GPU memory on the shape's benchmark model."""
+def match_ncmoe(peak_mib: float, shape: str = "qwen3-30b-a3b", base_mib: float | None = None) -> int:
+    """The --n-cpu-moe that gives llama.cpp about peak_mib of GPU memory on the shape's benchmark model; base_mib
+    replaces LLAMA_MEMORY's base (a measured one). An N that covers only leading dense blocks moves nothing: 0."""
     base, per_layer, n_layer = LLAMA_MEMORY[shape]
+    base = base if base_mib is None else base_mib
     layers_on_gpu = round((peak_mib - base) / per_layer)
-    return max(0, min(n_layer, n_layer - layers_on_gpu))
+    n = max(0, min(n_layer, n_layer - layers_on_gpu))
+    return 0 if n <= LLAMA_DENSE_LEAD.get(shape, 0) else n
+
+
+def moe_layers_on_gpu(ncmoe: int, shape: str) -> int:
+    """Blocks whose experts llama.cpp -ngl 99 --n-cpu-moe ncmoe keeps on the GPU (blocks ncmoe.. that have experts)."""
+    _, _, n_layer = LLAMA_MEMORY[shape]
+    return n_layer - max(min(ncmoe, n_layer), LLAMA_DENSE_LEAD.get(shape, 0))
+
+
+def llama_base(peer_peak_mib: float, ncmoe: int, shape: str) -> float:
+    """llama.cpp's GPU memory with every expert on the CPU, from one run's peak at --n-cpu-moe ncmoe: the peak less
+    the expert layers that run left on the GPU (LLAMA_MEMORY's per-layer size, which is the file's arithmetic)."""
+    return peer_peak_mib - moe_layers_on_gpu(ncmoe, shape) * LLAMA_MEMORY[shape][1]
 
 
 def run_facts(out_dir: Path) -> tuple[str, str]:
@@ -130,6 +158,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("out_dir", nargs="?", type=Path)
     ap.add_argument("--brief", type=Path)
     ap.add_argument("--match-ncmoe", type=float)
+    ap.add_argument("--llama-base-mib", type=float, help="with --match-ncmoe: llama.cpp's measured base (--llama-base)")
+    ap.add_argument("--llama-base", type=float, metavar="PEER_PEAK_MIB",
+                    help="print llama.cpp's base (MiB, every expert on the CPU) from a run's peak at --ncmoe")
+    ap.add_argument("--ncmoe", type=int, help="the --n-cpu-moe of the --llama-base run")
     ap.add_argument("--shape", choices=sorted(LLAMA_MEMORY), default="",
                     help="model shape (default: the run's run.txt, else qwen3-30b-a3b)")
     ap.add_argument("--peer", default="llama.cpp (llama-bench)", help="the peer's name and build, for the rows")
@@ -141,7 +173,12 @@ def main(argv: list[str] | None = None) -> int:
         print(brief(a.brief))
         return 0
     if a.match_ncmoe is not None:
-        print(match_ncmoe(a.match_ncmoe, a.shape or "qwen3-30b-a3b"))
+        print(match_ncmoe(a.match_ncmoe, a.shape or "qwen3-30b-a3b", a.llama_base_mib))
+        return 0
+    if a.llama_base is not None:
+        if a.ncmoe is None:
+            ap.error("--llama-base needs --ncmoe")
+        print(f"{llama_base(a.llama_base, a.ncmoe, a.shape or 'qwen3-30b-a3b'):.0f}")
         return 0
     rows = report(a.out_dir, a.command, a.shape, a.routing_kind, a.peer)
     print("| budget | GPU mem ours / peer | decode tok/s ours / llama.cpp | ratio | prefill tok/s ours / llama.cpp | ratio "

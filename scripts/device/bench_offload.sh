@@ -1,15 +1,22 @@
 #!/usr/bin/env bash
-# Offload benchmark on the GPU machine: a Qwen3-30B-A3B- or Mixtral-8x7B-shaped Q8_0 model (random weights, written
-# here by tools/py/make_bench_model.py), routing replayed from a trace, batch 1: PreScope's prefill (pp512) and
-# decode (tg128) tokens/s at several expert budgets, then llama.cpp's llama-bench (-ngl 99 --n-cpu-moe N) on the
-# same file with the same threads, N chosen so that its GPU memory matches ours. Peak GPU memory of every run is
-# read with nvidia-smi. bench/offload/report.py turns $OUT into bench/results/offload-q30b.json and a table.
+# Offload benchmark on the GPU machine: a Qwen3-30B-A3B-, Mixtral-8x7B- or DeepSeek-V2-Lite-shaped Q8_0 model
+# (random weights, written here by tools/py/make_bench_model.py), routing replayed from a trace, batch 1: PreScope's
+# prefill (pp512) and decode (tg128) tokens/s at several expert budgets, then llama.cpp's llama-bench (-ngl 99
+# --n-cpu-moe N) on the same file with the same threads, N chosen so that its GPU memory matches ours. Peak GPU
+# memory of every run is read with nvidia-smi. bench/offload/report.py turns $OUT into bench/results/offload-q30b.json
+# and a table.
 #
-#   [SHAPE=qwen3-30b-a3b|mixtral-8x7b] [LLAMA_BENCH=/path/to/llama-bench] [LLAMA_WAIT=s] [BUDGETS="12 4 8 24"]
-#   [PREDICTOR=recency] [TRACE=...] [ROUTING_KIND=balanced|skewed] OUT=dir scripts/device/bench_offload.sh
+#   [SHAPE=qwen3-30b-a3b|mixtral-8x7b|deepseek-v2-lite] [LLAMA_BENCH=/path/to/llama-bench] [LLAMA_WAIT=s]
+#   [BUDGETS="12 4 8 24"] [PREDICTOR=recency] [TRACE=...] [ROUTING_KIND=balanced|skewed] [MATCH_CALIBRATE=0|1]
+#   OUT=dir scripts/device/bench_offload.sh
 #
 # Defaults per shape: qwen3-30b-a3b budgets 12 4 8 24 GiB, trace traces/topo-b-test.pstrace; mixtral-8x7b budgets
-# 12 24 36 GiB, trace traces/topo-mixtral-test.pstrace (the balanced traces of issue 9, ROUTING_KIND=balanced).
+# 12 24 36 GiB, trace traces/topo-mixtral-test.pstrace (the balanced traces of issue 9, ROUTING_KIND=balanced);
+# deepseek-v2-lite budgets 4 8 GiB (of its 14.2 GiB of routed experts), trace traces/topo-v2lite-test.pstrace (26
+# MoE layers x 64 experts, top-6: the model's 27 blocks less the dense first one; decision 0135).
+# MATCH_CALIBRATE=1 (the default for deepseek-v2-lite only, whose llama.cpp base is not yet measured): the first
+# peer run's peak gives llama.cpp's base (report.py --llama-base), the later budgets are matched with it, and the
+# first budget runs again when its match changes with it.
 # The device's 64 GB disk holds one benchmark model at a time: each shape writes, uses and deletes its own.
 #
 # llama-bench is a comparison peer built outside this repository: LLAMA_BENCH, else common.sh's setup_peer (the
@@ -24,8 +31,11 @@ SHAPE=${SHAPE:-qwen3-30b-a3b}
 case $SHAPE in
     qwen3-30b-a3b) BUDGETS=${BUDGETS:-12 4 8 24}; TRACE=${TRACE:-traces/topo-b-test.pstrace} ;;
     mixtral-8x7b) BUDGETS=${BUDGETS:-12 24 36}; TRACE=${TRACE:-traces/topo-mixtral-test.pstrace} ;;
-    *) echo "bench_offload.sh: SHAPE must be qwen3-30b-a3b or mixtral-8x7b" >&2; exit 2 ;;
+    deepseek-v2-lite) BUDGETS=${BUDGETS:-4 8}; TRACE=${TRACE:-traces/topo-v2lite-test.pstrace}
+        MATCH_CALIBRATE=${MATCH_CALIBRATE:-1} ;;
+    *) echo "bench_offload.sh: SHAPE must be qwen3-30b-a3b, mixtral-8x7b or deepseek-v2-lite" >&2; exit 2 ;;
 esac
+MATCH_CALIBRATE=${MATCH_CALIBRATE:-0}
 ROUTING_KIND=${ROUTING_KIND:-balanced}
 PREDICTOR=${PREDICTOR:-recency}
 LLAMA_WAIT=${LLAMA_WAIT:-0}
@@ -34,6 +44,7 @@ MODEL=/tmp/prescope-$SHAPE-q8_0.gguf
 mkdir -p "$OUT"
 : > "$OUT/summary.txt"
 say() { echo "[bench_offload] $*" | tee -a "$OUT/summary.txt"; }
+[ -f "$TRACE" ] || { say "FAIL: routing trace $TRACE not found"; exit 2; }
 T0=$SECONDS
 source scripts/device/common.sh
 setup_carried_debs .carry/debs
@@ -75,11 +86,27 @@ if [ -n "${LLAMA_BENCH:-}" ]; then
 fi
 if [ -n "${LLAMA_BENCH:-}" ] && [ -x "$LLAMA_BENCH" ]; then
     say "peer ready after $((SECONDS - T0)) s: $LLAMA_BENCH"
-    for b in $BUDGETS; do
-        n=$(python3 bench/offload/report.py --match-ncmoe "$(cat "$OUT/gpu-mem-prescope-$b.txt")" --shape "$SHAPE")
+    # One llama-bench run at --n-cpu-moe $1 for budget $2 (files keyed by N).
+    run_peer() {
+        local n=$1 b=$2
         with_gpu_peak "$OUT/gpu-mem-llama-$n.txt" timeout 240 "$LLAMA_BENCH" -m "$MODEL" -ngl 99 -ncmoe "$n" \
             -t "$THREADS" -p 512 -n 128 -r 1 -o jsonl > "$OUT/llama-$n.jsonl" 2> "$OUT/llama-$n.log"
         say "llama.cpp -ncmoe $n (for ${b}GiB): exit $?, GPU peak $(cat "$OUT/gpu-mem-llama-$n.txt") MiB; $(grep -o '"avg_ts": *[0-9.]*' "$OUT/llama-$n.jsonl" | tr '\n' ' ')"
+    }
+    BASE_ARGS=()
+    for b in $BUDGETS; do
+        peak=$(cat "$OUT/gpu-mem-prescope-$b.txt")
+        n=$(python3 bench/offload/report.py --match-ncmoe "$peak" --shape "$SHAPE" "${BASE_ARGS[@]}")
+        run_peer "$n" "$b"
+        if [ "$MATCH_CALIBRATE" = 1 ] && [ ${#BASE_ARGS[@]} -eq 0 ] && [ -s "$OUT/gpu-mem-llama-$n.txt" ]; then
+            base=$(python3 bench/offload/report.py --llama-base "$(cat "$OUT/gpu-mem-llama-$n.txt")" --ncmoe "$n" \
+                --shape "$SHAPE")
+            BASE_ARGS=(--llama-base-mib "$base")
+            m=$(python3 bench/offload/report.py --match-ncmoe "$peak" --shape "$SHAPE" "${BASE_ARGS[@]}")
+            say "llama.cpp base measured: $base MiB (every expert on the CPU); ${b}GiB matches -ncmoe $m with it"
+            echo "$base" > "$OUT/llama-base-mib.txt"
+            if [ "$m" != "$n" ]; then n=$m; run_peer "$n" "$b"; fi
+        fi
         echo "$b $n" >> "$OUT/pairs.txt"
     done
 else

@@ -80,6 +80,20 @@ def test_mixtral_spec_builds_mixtral():
     assert moe_model.make_config("topo-b", 8192, 0, 0.01, {"num_hidden_layers": 4}).num_hidden_layers == 4
 
 
+def test_v2lite_spec_routes_like_deepseek_v2_lite():
+    # DeepSeek-V2-Lite's routing topology (decision 0135): 26 MoE layers x 64 experts, top-6, and the raw softmax
+    # probabilities of the top-6 as weights (norm_topk_prob false), as a Qwen3-MoE
+    cfg = moe_model.make_config("topo-v2lite", 8192, 0, 0.01)
+    assert (cfg.model_type, cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok) == ("qwen3_moe", 26, 64, 6)
+    assert cfg.norm_topk_prob is False and cfg.mlp_only_layers == []
+    m = moe_model.build_model("v2lite-smoke", 512, 0, 0.01, "cpu", 0).eval()
+    ids, w, _ = rc.route_sequences(m, [[5, 6, 7, 8, 9]], 0, torch.device("cpu"))
+    assert ids.shape == (5, 3, 6) and (w.sum(-1) < 1 - 1e-3).all()
+    assert moe_model.make_config("topo-b", 8192, 0, 0.01).norm_topk_prob  # the others still renormalise
+    with pytest.raises(SystemExit):
+        moe_model.make_config("topo-mixtral", 8192, 0, 0.01, {"norm_topk_prob": False})
+
+
 def test_per_layer_balance_loss_sees_what_the_pooled_loss_misses():
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
     n_tok, n_exp, k = 400, 8, 2

@@ -320,8 +320,10 @@ def trace_stats(trace, seed=0):
 # ---------------------------------------------------------------- pictures
 
 # What each model's routing stands for in benchmarks (issue 9): the balanced models are the headline; the first topo
-# (transformers' pooled balancing loss, decision 0090) and demo are kept only as labelled skewed cases.
+# (transformers' pooled balancing loss, decision 0090) and demo are kept only as labelled skewed cases; topo-v2lite
+# is issue 12's DeepSeek-V2-Lite topology (decision 0135).
 ROUTING_KIND = {"topo-b": "balanced (headline)", "topo-mixtral": "balanced (headline)",
+                "topo-v2lite": "balanced (DeepSeek-V2-Lite topology)",
                 "topo": "skewed (first topo, pooled loss)", "demo": "skewed (demo)"}
 
 DPI = 80   # keeps every PNG well under 200 KB (decision 0002: repository size)

@@ -32,6 +32,13 @@ MODEL_SPECS = {
     "topo-mixtral": dict(arch="mixtral", hidden_size=128, num_hidden_layers=32, num_attention_heads=4,
                          num_key_value_heads=1, head_dim=32, num_experts=8, num_experts_per_tok=2,
                          moe_intermediate_size=448),
+    # Issue 12's DeepSeek-V2-Lite benchmark topology (decision 0135): its 26 MoE layers (27 blocks less the dense
+    # first one) x 64 experts, top-6, softmax scores without renormalisation (V2-Lite's norm_topk_prob false), as a
+    # Qwen3-MoE: the trace carries only the routing. Expert FFN 96: V2-Lite's 1408 / 2048 of the hidden size (88)
+    # rounded up to a multiple of 32.
+    "topo-v2lite": dict(hidden_size=128, num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=32, num_experts=64, num_experts_per_tok=6, moe_intermediate_size=96,
+                        norm_topk_prob=False),
     # --smoke shapes: same code paths, Q8_0-compatible row lengths (multiples of 32).
     "demo-smoke": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                        head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32),
@@ -40,6 +47,9 @@ MODEL_SPECS = {
     "mixtral-smoke": dict(arch="mixtral", hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
                           num_key_value_heads=1, head_dim=16, num_experts=8, num_experts_per_tok=2,
                           moe_intermediate_size=32),
+    "v2lite-smoke": dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
+                         head_dim=16, num_experts=16, num_experts_per_tok=6, moe_intermediate_size=32,
+                         norm_topk_prob=False),
 }
 ROPE_THETA = 1_000_000.0   # Qwen3-30B-A3B's value
 MAX_POSITIONS = 4096
@@ -91,11 +101,15 @@ def spec_arch(spec):
 
 def make_config(name, vocab_size, eos_token_id, aux_loss_coef, overrides=None):
     """Qwen3MoeConfig or MixtralConfig for MODEL_SPECS[name] (with `overrides`, e.g. a probe's layer count or width);
-    every MoE-relevant field set explicitly (norm_topk_prob=True for qwen3moe, as llama.cpp's qwen3moe graph always
-    renormalises the top-k weights; Mixtral always renormalises)."""
+    every MoE-relevant field set explicitly (norm_topk_prob=True for qwen3moe unless the spec says otherwise, as
+    llama.cpp's qwen3moe graph always renormalises the top-k weights; topo-v2lite routes like DeepSeek-V2-Lite,
+    without; Mixtral always renormalises)."""
     spec = dict(MODEL_SPECS[name])
     spec.update(overrides or {})
     arch = spec.pop("arch", "qwen3moe")
+    norm_topk_prob = spec.pop("norm_topk_prob", True)
+    if arch == "mixtral" and not norm_topk_prob:
+        raise SystemExit(f"make_config({name}): Mixtral always renormalises its top-k weights")
     common = dict(vocab_size=vocab_size, hidden_act="silu", max_position_embeddings=MAX_POSITIONS, rms_norm_eps=1e-6,
                   tie_word_embeddings=True, output_router_logits=True, router_aux_loss_coef=aux_loss_coef,
                   use_cache=True, bos_token_id=None, eos_token_id=eos_token_id, pad_token_id=eos_token_id)
@@ -115,12 +129,12 @@ def make_config(name, vocab_size, eos_token_id, aux_loss_coef, overrides=None):
         return cfg
     from transformers import Qwen3MoeConfig
     kw = dict(common, intermediate_size=4 * spec["hidden_size"], attention_bias=False, decoder_sparse_step=1,
-              mlp_only_layers=[], norm_topk_prob=True, **spec)
+              mlp_only_layers=[], norm_topk_prob=norm_topk_prob, **spec)
     try:
         cfg = Qwen3MoeConfig(rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA}, **kw)
     except TypeError:
         cfg = Qwen3MoeConfig(rope_theta=ROPE_THETA, **kw)
-    if not cfg.norm_topk_prob or cfg.num_experts != spec["num_experts"]:
+    if bool(cfg.norm_topk_prob) != norm_topk_prob or cfg.num_experts != spec["num_experts"]:
         raise SystemExit(f"make_config({name}): transformers did not keep norm_topk_prob/num_experts")
     return cfg
 

@@ -7,7 +7,9 @@
   full    the device job: trains topo-b (Qwen3-30B-A3B's 48 x 128 top-8 topology) and topo-mixtral (Mixtral-8x7B's
           32 x 8 top-2) with the recipe of docs/decisions/0090-balanced-routing.md, writes traces (test split, real
           prompts, and real prompts continued by the model itself) and router weights, packs them for the return
-          (at most 8 files under --out), and keeps each model and its test-split sequences in --keep.
+          (at most 8 files under --out), and keeps each model and its test-split sequences in --keep. --models
+          picks which: topo-v2lite (DeepSeek-V2-Lite's 26 MoE layers x 64, top-6; decision 0135) is trained alone,
+          by scripts/device/train_v2lite.sh.
   sidecar the router-input sidecar of a kept model's test-split trace, from sequence --first-seq on, as much as one
           return holds (a 20k-token sidecar of topo-b is about 100 MB: several calls on the warm machine).
   merge-sidecars  here, afterwards: joins the returned parts into NAME-test.hidden.zst.
@@ -16,6 +18,7 @@ Usage:
   python3 tools/train/train_balanced.py probe --spec topo-b --layers 8 --hidden 64 --balance per-layer --aux 0.01 \\
       --steps 300 --json docs/data/balance-probe.json
   python3 tools/train/train_balanced.py full --out $OUT --budget-s 540          (device; --smoke: tiny CPU dry run)
+  python3 tools/train/train_balanced.py full --models topo-v2lite --out $OUT --budget-s 400           (device)
   python3 tools/train/train_balanced.py sidecar --model topo-b --first-seq 0 --out $OUT          (device, warm)
   python3 tools/train/train_balanced.py merge-sidecars traces/topo-b-test.pstrace PART... --out traces/topo-b-test.hidden.zst
 
@@ -58,9 +61,18 @@ FULL = {
                          share=0.45, traces={"test-split": 32768, "sharegpt": 6144, "mt-bench": 2048,
                                              "vicuna-bench": 2048, "gsm8k": 4096, "humaneval": 4096},
                          decode=(64, 64)),
+    # Issue 12 (decision 0135): the recipe of topo-b on DeepSeek-V2-Lite's routing topology; alone in its call.
+    "topo-v2lite": dict(run=dict(spec="topo-v2lite", steps=3000, batch=64, seq=512, lr=2e-3, warmup=100, aux=0.01,
+                                 balance="per-layer", seed=2612, eval_windows=512),
+                        share=1.0, traces={"test-split": 32768, "sharegpt": 6144, "mt-bench": 2048,
+                                           "vicuna-bench": 2048, "gsm8k": 4096, "humaneval": 4096},
+                        decode=(64, 64)),
 }
+# What `full` trains without --models (issue 9's pair).
+DEFAULT_MODELS = ["topo-b", "topo-mixtral"]
 SMOKE = {"topo-b": dict(spec="topo-smoke", steps=30, batch=4, seq=64, traces=512, decode=(4, 16)),
-         "topo-mixtral": dict(spec="mixtral-smoke", steps=30, batch=4, seq=64, traces=512, decode=(4, 16))}
+         "topo-mixtral": dict(spec="mixtral-smoke", steps=30, batch=4, seq=64, traces=512, decode=(4, 16)),
+         "topo-v2lite": dict(spec="v2lite-smoke", steps=30, batch=4, seq=64, traces=512, decode=(4, 16))}
 TRACE_MAX_LEN = 512
 ZSTD_LEVEL = 19
 
@@ -300,7 +312,7 @@ def full(args):
     """The device job (module docstring); a failed phase is recorded and the others still run."""
     t0 = time.time()
     out, stage = tm.fresh_stage(args.out, args.work)
-    summary = {"mode": "smoke" if args.smoke else "full", "budget_s": args.budget_s,
+    summary = {"mode": "smoke" if args.smoke else "full", "budget_s": args.budget_s, "models": args.models,
                "command": "python3 tools/train/train_balanced.py " + " ".join(sys.argv[1:])}
     ph = tm.Phases(summary)
     summary["environment"] = moe_model.check_environment(require_cuda=not args.smoke)
@@ -314,7 +326,8 @@ def full(args):
     cands = tm.trace_candidates(splits["test"], prompts)
     created = "tools/train/train_balanced.py full" + (" --smoke" if args.smoke else "")
     items = []
-    for name, plan in FULL.items():
+    selected = {name: FULL[name] for name in args.models}
+    for name, plan in selected.items():
         if args.smoke:
             sm = SMOKE[name]
             plan = dict(plan, run=dict(plan["run"], spec=sm["spec"], steps=sm["steps"], batch=sm["batch"],
@@ -322,7 +335,7 @@ def full(args):
                         traces={"test-split": sm["traces"], "sharegpt": sm["traces"] // 4},
                         decode=sm["decode"])
         left = t0 + args.budget_s - time.time()
-        deadline = time.time() + left * plan["share"] / sum(p["share"] for n, p in FULL.items()
+        deadline = time.time() + left * plan["share"] / sum(p["share"] for n, p in selected.items()
                                                              if n not in summary.get("done", []))
         deadline -= 0 if args.smoke else 75  # routers, traces, decoding and keeping the model after training
         val_windows = tm.eval_windows(data["validation"], plan["run"]["seq"], plan["run"]["eval_windows"])
@@ -388,6 +401,8 @@ def main():
     f.add_argument("--out", required=True)
     f.add_argument("--budget-s", type=float, default=540.0)
     f.add_argument("--smoke", action="store_true", help="tiny shapes and steps on the CPU (dry run)")
+    f.add_argument("--models", nargs="+", choices=list(FULL), default=DEFAULT_MODELS,
+                   help=f"models to train, in this order (default: {' '.join(DEFAULT_MODELS)})")
     f.add_argument("--carry", default=str(REPO / ".carry"))
     f.add_argument("--work", default="/tmp/prescope-balanced")
     f.add_argument("--keep", default=str(REPO / "build-train"), help="where the trained models stay for sidecar")
