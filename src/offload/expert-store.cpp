@@ -76,6 +76,10 @@ ExpertLayout ExpertLayout::of(const Model &model, int64_t layer) {
     x.up_offset = align_up(x.gate_bytes, kPartAlign);
     x.down_offset = x.up_offset + align_up(x.up_bytes, kPartAlign);
     x.bytes = x.down_offset + align_up(x.down_bytes, kPartAlign);
+    if (l.gate_exps_b) {
+        x.bias_offset = x.bytes;
+        x.bytes += align_up(uint64_t(2 * x.n_ff + x.n_embd) * 4, kPartAlign);
+    }
     return x;
 }
 
@@ -128,6 +132,13 @@ ExpertStore::ExpertStore(const Model &model, Backend *backend, const ExpertStore
         std::memcpy(dst, layers[size_t(l)].gate_exps.matrix(e), x.gate_bytes);
         std::memcpy(dst + x.up_offset, layers[size_t(l)].up_exps.matrix(e), x.up_bytes);
         std::memcpy(dst + x.down_offset, layers[size_t(l)].down_exps.matrix(e), x.down_bytes);
+        if (x.bias_offset > 0) {
+            const LayerWeights &lw = layers[size_t(l)];
+            auto *b = reinterpret_cast<float *>(dst + x.bias_offset);
+            std::copy_n(lw.gate_exps_b + e * x.n_ff, x.n_ff, b);
+            std::copy_n(lw.up_exps_b + e * x.n_ff, x.n_ff, b + x.n_ff);
+            std::copy_n(lw.down_exps_b + e * x.n_embd, x.n_embd, b + 2 * x.n_ff);
+        }
         host_[size_t(i)] = dst;
     }
     if (config.drop_mapped_pages) {

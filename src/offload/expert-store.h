@@ -15,7 +15,7 @@ namespace prescope {
 
 class Model;
 
-/// Byte layout of one expert of a layer in canonical form: [gate | up | down], each part starting at a
+/// Byte layout of one expert of a layer in canonical form: [gate | up | down (| biases)], each part starting at a
 /// multiple of 256 bytes (cuBLAS and the CUDA kernels want 16-byte aligned rows).
 struct ExpertLayout {
     DType gate_type = DType::F32, up_type = DType::F32, down_type = DType::F32;
@@ -23,6 +23,9 @@ struct ExpertLayout {
     int64_t n_ff = 0;
     uint64_t gate_bytes = 0, up_bytes = 0, down_bytes = 0;  // the parts as stored in the file
     uint64_t up_offset = 0, down_offset = 0;                // from the expert's first byte
+    // Experts with biases (HParams::moe_bias, gpt-oss): F32 [gate_b n_ff | up_b n_ff | down_b n_embd] from here, so
+    // that a slot holds all the expert needs; 0 = none.
+    uint64_t bias_offset = 0;
     uint64_t bytes = 0;                                     // whole expert, padding included (multiple of 256)
 
     /// The layout of `layer`'s experts in `model`; all sizes 0 (bytes 0, n_ff 0) for a layer without experts

@@ -9,7 +9,7 @@
 #include "runtime/gpu-context.h"
 #endif
 
-#include <fmt/ranges.h>
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include <filesystem>
@@ -38,28 +38,6 @@ nlohmann::json CpuEngine::stats_json() const { return {{"routing", routing_sourc
 
 std::string routing_source(const RoutingReplay *replay) {
     return replay ? "replayed:" + std::filesystem::path(replay->path()).filename().string() : "router";
-}
-
-std::vector<std::string> gpu_missing_features(const HParams &hp) {
-    // The GPU layer step runs GQA attention (q/k/v biases, q/k norms) or DeepSeek's MLA, RoPE with or without YaRN,
-    // dense FFN layers, and an MoE block of softmax / sigmoid (group-limited, biased) routing and SwiGLU experts
-    // with a gated or ungated shared expert. What gpt-oss needs beyond that is listed.
-    std::vector<std::string> missing;
-    if (hp.attn_sinks) missing.emplace_back("attention sinks");
-    if (hp.n_swa > 0) missing.emplace_back("sliding-window attention");
-    if (hp.attn_out_bias) missing.emplace_back("the attention output bias");
-    if (hp.expert_gating == ExpertGating::SOFTMAX_WEIGHT) missing.emplace_back("softmax over the top-k logits");
-    if (hp.moe_bias) missing.emplace_back("router and expert biases");
-    if (hp.expert_act == ExpertAct::SWIGLU_OAI) missing.emplace_back("the clamped SwiGLU (swiglu_oai)");
-    return missing;
-}
-
-void check_gpu_runs(const Model &model) {
-    const std::vector<std::string> missing = gpu_missing_features(model.hp());
-    if (!missing.empty()) {
-        fail("{}: the GPU runtime does not run architecture '{}' yet ({}); leave --gpu-expert-budget (gpu_cache) out "
-             "to run it on the CPU", model.file().path(), model.hp().arch, fmt::join(missing, ", "));
-    }
 }
 
 std::unique_ptr<Predictor> make_predictor(const OffloadConfig &config, const Model &model, int32_t max_tokens,

@@ -81,13 +81,6 @@ class CpuEngine final : public Engine {
 /// when config.gpu is set in a build without CUDA or on a machine without a CUDA device.
 std::unique_ptr<Engine> make_engine(const Model &model, ContextParams params, const OffloadConfig &config);
 
-/// What the GPU layer step (GpuContext) does not have yet of this model's architecture, in words ("attention
-/// sinks", ...; gpt-oss, decision 0140); empty when GpuContext runs it (deepseek2 since decision 0136).
-std::vector<std::string> gpu_missing_features(const HParams &hp);
-/// Throws prescope::Error, one line naming the file, the architecture and gpu_missing_features, when that list
-/// is not empty (GpuContext calls it first: running such a model anyway would give wrong tokens silently).
-void check_gpu_runs(const Model &model);
-
 /// The predictor config.predictor names, for up to max_tokens tokens per call and config.prefetch_window:
 /// nullptr for "none"; "oracle" needs `replay` (it reads the future from the replayed trace) and is returned
 /// in *oracle too. Throws prescope::Error on an unknown name or an unreadable predictor file.

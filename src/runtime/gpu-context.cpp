@@ -76,7 +76,6 @@ void GpuContext::init() {
     const Model &model = model_;
     const OffloadConfig &config = config_;
     const HParams &hp = model.hp();
-    check_gpu_runs(model);  // decisions 0121, 0140
     params_.n_ctx = resolve_n_ctx(model, params_.n_ctx);
     if (params_.n_batch <= 0) {
         fail("invalid context: n_ctx {} and n_batch {} must be positive", params_.n_ctx, params_.n_batch);
@@ -165,6 +164,7 @@ void GpuContext::init() {
     moe_shape.n_experts = E;
     moe_shape.n_ff_shexp = hp.shared_expert ? hp.n_ff_shexp : 0;
     moe_shape.n_layers = L;
+    moe_shape.swiglu_oai = hp.expert_act == ExpertAct::SWIGLU_OAI;
     // The device-resolved hit path takes batches each of whose experts fit the GEMV path (decode sizes).
     device_hits_tokens_ = config.device_hits && cc.budget_bytes > 0 ? nb : 0;
     for (int32_t l = int32_t(hp.n_layer_dense); l < L; ++l) {
@@ -453,6 +453,8 @@ void GpuContext::upload_weights() {
         matrix(l.wo, d.wo);
         matrix(l.gate_inp, d.gate_inp);
         vec(l.gate_inp_b, hp.n_expert, d.gate_inp_b);
+        vec(l.bo, hp.n_embd, d.bo);
+        vec(l.attn_sinks, hp.n_head, d.attn_sinks);
         vec(l.exp_probs_b, hp.n_expert, d.exp_probs_b);
         matrix(l.wq_a, d.wq_a);
         matrix(l.wq_b, d.wq_b);
@@ -631,10 +633,11 @@ void GpuContext::attention_block(int64_t il, int64_t n, std::span<const SeqRun> 
     for (const SeqRun &r : runs) {
         cuda::attention(q_ + t0 * n_q_row, kc + r.seq * seq_stride, vc + r.seq * seq_stride, r.n, r.pos0, hp.n_head,
                         hp.n_head_kv, hp.head_dim, 1.0f / std::sqrt(float(hp.head_dim)), attn_ + t0 * n_q_row, ws_,
-                        s);
+                        s, l.attn_sinks, hp.window(il));
         t0 += r.n;
     }
     matmul(l.wo, attn_, n, tmp_);
+    if (l.bo) cuda::add_bias(tmp_, l.bo, n, hp.n_embd, s);
     cuda::add(x_, tmp_, x_, n * hp.n_embd, s);
 }
 

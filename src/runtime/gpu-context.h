@@ -66,6 +66,7 @@ class GpuContext final : public Engine {
         DevMatrix wq, wk, wv, wo, gate_inp;
         DevMatrix gate_shexp, up_shexp, down_shexp, gate_inp_shexp;  // shared expert (qwen2moe, deepseek2)
         const float *gate_inp_b = nullptr, *exp_probs_b = nullptr;  // router logit / selection biases
+        const float *bo = nullptr, *attn_sinks = nullptr;            // gpt-oss: output bias, sink logit per head
         // MLA (deepseek2): wk_b and wv_b hold one matrix per head (n_in x n_out each, n_head of them).
         DevMatrix wq_a, wq_b, wkv_a, wk_b, wv_b;
         const float *q_a_norm = nullptr, *kv_a_norm = nullptr;

@@ -2,6 +2,7 @@
 // and their order are those of the former GpuContext::launch_gpu / combine (decision 0035).
 #include "runtime/gpu-moe-device.h"
 
+#include "backend/cpu/ops.h"
 #include "backend/cuda/elementwise.cuh"
 #include "backend/cuda/matmul.cuh"
 #include "backend/cuda/moe.cuh"
@@ -252,7 +253,17 @@ void CudaMoeDevice::expert_ffn(const ExpertLayout &x, cuda::ExpertMatmul g, cons
     g.w2_dev = w.dev[1];
     g.w2_host = w.host[1];
     cuda::expert_matmul(g, h_dev_, gate, ws_, st, cuda::MatmulPath::AUTO, up);
-    cuda::swiglu(gate, up, gate, n_pairs * x.n_ff, st);
+    // Biased experts (gpt-oss) carry their biases in their slot, after the matrices (ExpertLayout::bias_offset).
+    const int64_t n_groups = g.n_expert;
+    if (x.bias_offset > 0) {
+        cuda::add_group_bias(gate, x.n_ff, w.dev[0], x.bias_offset, g.offsets_dev, n_groups, st);
+        cuda::add_group_bias(up, x.n_ff, w.dev[0], x.bias_offset + uint64_t(x.n_ff) * 4, g.offsets_dev, n_groups, st);
+    }
+    if (shape_.swiglu_oai) {
+        cuda::swiglu_oai(gate, up, gate, n_pairs * x.n_ff, cpu::kSwigluOaiAlpha, cpu::kSwigluOaiLimit, st);
+    } else {
+        cuda::swiglu(gate, up, gate, n_pairs * x.n_ff, st);
+    }
     g.type = x.down_type;
     g.n_in = x.n_ff;
     g.n_out = shape_.n_embd;
@@ -260,7 +271,12 @@ void CudaMoeDevice::expert_ffn(const ExpertLayout &x, cuda::ExpertMatmul g, cons
     g.w_dev = w.dev[2];
     g.w_host = w.host[2];
     g.w2_dev = g.w2_host = nullptr;
-    cuda::expert_matmul(g, gate, pairs_ + pair0 * shape_.n_embd, ws_, st);
+    float *y = pairs_ + pair0 * shape_.n_embd;
+    cuda::expert_matmul(g, gate, y, ws_, st);
+    if (x.bias_offset > 0) {
+        cuda::add_group_bias(y, shape_.n_embd, w.dev[0], x.bias_offset + uint64_t(2 * x.n_ff) * 4, g.offsets_dev,
+                             n_groups, st);
+    }
 }
 
 void CudaMoeDevice::combine(const MoeStep &s) {

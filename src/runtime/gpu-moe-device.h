@@ -40,6 +40,7 @@ class CudaMoeDevice final : public MoeDevice {
         int64_t n_ff_shexp = 0;   // shared expert FFN, 0 = none
         int64_t n_layers = 0;
         int64_t device_hits_tokens = 0;  // most tokens of the device-resolved hit path (issue 14), 0 = off
+        bool swiglu_oai = false;         // the experts' activation is gpt-oss's clamped SwiGLU (HParams::expert_act)
     };
     /// Device bytes the constructor allocates for `shape` (for the start-up memory check).
     static uint64_t device_bytes_for(const Shape &shape);

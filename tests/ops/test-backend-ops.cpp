@@ -754,20 +754,27 @@ struct AttentionCase : Case {
     AttnWs ws_mode;
     std::vector<float> q, kc, vc, out_ref;
     DevBuf dq, dk, dv, dout, ws;
+    bool sinks = false;  // gpt-oss: a sink logit per head
+    int64_t window = 0;  // gpt-oss: sliding window
+    std::vector<float> sink;
+    DevBuf dsink;
     AttentionCase(int64_t nt, int64_t p0, int64_t nh, int64_t nkv, int64_t hd, float qs = 1.0f,
-                  AttnWs w = AttnWs::FULL)
-        : n_tok(nt), pos0(p0), n_head(nh), n_head_kv(nkv), head_dim(hd), q_scale(qs), ws_mode(w) {}
+                  AttnWs w = AttnWs::FULL, bool sk = false, int64_t win = 0)
+        : n_tok(nt), pos0(p0), n_head(nh), n_head_kv(nkv), head_dim(hd), q_scale(qs), ws_mode(w), sinks(sk),
+          window(win) {}
     std::string op() const override { return "attention"; }
     std::string vars() const override {
-        return strf("n_tok=%lld,pos0=%lld,n_head=%lld,n_head_kv=%lld,head_dim=%lld,q_scale=%g%s", (long long)n_tok,
-                    (long long)pos0, (long long)n_head, (long long)n_head_kv, (long long)head_dim, double(q_scale),
-                    ws_mode == AttnWs::NONE ? ",no-split" : ws_mode == AttnWs::QUARTER ? ",ws/4" : "");
+        return strf("n_tok=%lld,pos0=%lld,n_head=%lld,n_head_kv=%lld,head_dim=%lld,q_scale=%g%s%s,window=%lld",
+                    (long long)n_tok, (long long)pos0, (long long)n_head, (long long)n_head_kv, (long long)head_dim,
+                    double(q_scale), ws_mode == AttnWs::NONE ? ",no-split" : ws_mode == AttnWs::QUARTER ? ",ws/4" : "",
+                    sinks ? ",sinks" : "", (long long)window);
     }
     void init(Rng &rng) override {
         const size_t n_kv = size_t(pos0 + n_tok);
         q = rng.floats(size_t(n_tok * n_head * head_dim), -q_scale, q_scale);
         kc = rng.floats(n_kv * size_t(n_head_kv * head_dim)), vc = rng.floats(n_kv * size_t(n_head_kv * head_dim));
         dq = DevBuf(q), dk = DevBuf(kc), dv = DevBuf(vc), dout = DevBuf(q.size() * 4);
+        sink = rng.floats(size_t(n_head), -2.0f, 3.0f), dsink = DevBuf(sink);
         const size_t full = cu::attention_workspace_bytes(n_tok, pos0, n_head, n_head_kv, head_dim);
         ws = DevBuf(ws_mode == AttnWs::FULL ? full : ws_mode == AttnWs::QUARTER ? full / 4 : 0);
     }
@@ -775,12 +782,13 @@ struct AttentionCase : Case {
     void reference() override {
         out_ref.resize(q.size());
         cpu::attention(q.data(), kc.data(), vc.data(), n_tok, pos0, n_head, n_head_kv, head_dim, scale(),
-                       out_ref.data());
+                       out_ref.data(), sinks ? sink.data() : nullptr, window);
     }
     void poison() override { dout.poison(); }
     void run() override {
         cu::attention(dq.as<float>(), dk.as<float>(), dv.as<float>(), n_tok, pos0, n_head, n_head_kv, head_dim, scale(),
-                      dout.as<float>(), ws_mode == AttnWs::NONE ? cu::Workspace{} : ws.workspace(), g_stream);
+                      dout.as<float>(), ws_mode == AttnWs::NONE ? cu::Workspace{} : ws.workspace(), g_stream,
+                      sinks ? dsink.as<float>() : nullptr, window);
     }
     std::vector<Check> compare() override { return {nmse("out", dout.download<float>(), out_ref, kExact)}; }
     double bytes() const override { return double(q.size() * 8) + double(kc.size() + vc.size()) * 4.0; }
@@ -870,13 +878,16 @@ struct EltCase : Case {
     std::string vars() const override { return strf("n_tok=%lld,n=%lld", (long long)n_tok, (long long)n); }
     int64_t total() const { return n_tok * n; }
     void init(Rng &rng) override {
-        a = rng.floats(size_t(total()), -4.0f, 4.0f);
-        b = rng.floats(size_t(name == "add_bias" ? n : total()));
+        a = rng.floats(size_t(total()), name == "swiglu_oai" ? -9.0f : -4.0f, name == "swiglu_oai" ? 9.0f : 4.0f);
+        b = name == "swiglu_oai" ? rng.floats(size_t(total()), -9.0f, 9.0f)  // both clamps at +-7 hit
+                                 : rng.floats(size_t(name == "add_bias" ? n : total()));
         da = DevBuf(a), db = DevBuf(b), dy = DevBuf(a.size() * 4);
     }
     void reference() override {
         y_ref = a;
         if (name == "swiglu") cpu::swiglu(a.data(), b.data(), y_ref.data(), total());
+        if (name == "swiglu_oai")
+            cpu::swiglu_oai(a.data(), b.data(), y_ref.data(), total(), cpu::kSwigluOaiAlpha, cpu::kSwigluOaiLimit);
         if (name == "add" || name == "scale_add")
             for (size_t i = 0; i < a.size(); ++i) y_ref[i] = a[i] + (name == "add" ? 1.0f : 0.37f) * b[i];
         if (name == "add_bias") cpu::add_bias(y_ref.data(), b.data(), n_tok, n);
@@ -885,6 +896,9 @@ struct EltCase : Case {
     void poison() override { in_place() ? da.upload(a.data()) : dy.poison(); }
     void run() override {
         if (name == "swiglu") cu::swiglu(da.as<float>(), db.as<float>(), dy.as<float>(), total(), g_stream);
+        if (name == "swiglu_oai")
+            cu::swiglu_oai(da.as<float>(), db.as<float>(), dy.as<float>(), total(), cpu::kSwigluOaiAlpha,
+                           cpu::kSwigluOaiLimit, g_stream);
         if (name == "add") cu::add(da.as<float>(), db.as<float>(), dy.as<float>(), total(), g_stream);
         if (name == "scale_add") cu::scale_add(da.as<float>(), db.as<float>(), 0.37f, total(), g_stream);
         if (name == "add_bias") cu::add_bias(da.as<float>(), db.as<float>(), n_tok, n, g_stream);
@@ -1147,6 +1161,14 @@ CaseList test_cases() {
     add<AttentionCase>(l, 2, 50, 32, 2, 256);        // 16 heads per KV head, head_dim 256
     add<AttentionCase>(l, 1, 700, 16, 4, 256, 4.0f); // head_dim 256 decode, split
     add<AttentionCase>(l, 1, 70000, 8, 1, 64);       // long context, 8 queries over one KV head
+    // gpt-oss: sinks and a sliding window (tiny model: 4 / 2 heads of 16, window 5; gpt-oss-20b: 64 / 8 of 64, 128)
+    add<AttentionCase>(l, 9, 0, 4, 2, 16, 1.0f, AttnWs::FULL, true, 5);
+    add<AttentionCase>(l, 1, 30, 4, 2, 16, 4.0f, AttnWs::FULL, true, 5);
+    add<AttentionCase>(l, 1, 30, 4, 2, 16, 4.0f, AttnWs::FULL, true, 0);   // a full layer's sinks
+    add<AttentionCase>(l, 1, 3000, 64, 8, 64, 4.0f, AttnWs::FULL, true, 128);  // split, most splits see no key
+    add<AttentionCase>(l, 1, 3000, 64, 8, 64, 4.0f, AttnWs::FULL, true, 0);
+    add<AttentionCase>(l, 40, 200, 64, 8, 64, 4.0f, AttnWs::FULL, true, 128);
+    add<AttentionCase>(l, 1, 3000, 64, 8, 64, 4.0f, AttnWs::NONE, false, 128);
     add<LatentAttentionCase>(l, 7, 0, 4, 40, 32);     // tiny DeepSeek prefill
     add<LatentAttentionCase>(l, 1, 30, 4, 40, 32);    // tiny DeepSeek decode (split)
     add<LatentAttentionCase>(l, 1, 30, 4, 40, 32, false);
@@ -1183,7 +1205,7 @@ CaseList test_cases() {
         add<RouterCase>(l, 2, 128, 4, oss, true, true);
     }
 
-    for (const char *name : {"swiglu", "add", "scale_add", "add_bias"}) {
+    for (const char *name : {"swiglu", "swiglu_oai", "add", "scale_add", "add_bias"}) {
         add<EltCase>(l, name, 1, 768);
         add<EltCase>(l, name, 64, 2048);
         add<EltCase>(l, name, 3, 1001);

@@ -49,8 +49,9 @@ struct AttnShape {
     static constexpr int STAGE = 2 * T * HD;  // floats of one K + V stage
     static constexpr int RED = kAttnThreads * RP * 4;  // floats of the final cross-thread sum
     static constexpr int BIG = 2 * STAGE > RED ? 2 * STAGE : RED;
-    // floats: stages (or the final sum) | Q [RP][HD] | P [T][PP] | alpha [RP] | m, l [RP] | limits (int64) [RP]
-    static constexpr size_t smem_bytes() { return sizeof(float) * size_t(BIG + RP * HD + T * PP + 3 * RP) + 8 * RP; }
+    // floats: stages (or the final sum) | Q [RP][HD] | P [T][PP] | alpha [RP] | m, l [RP] | limits, lower limits
+    // (int64) [RP] each
+    static constexpr size_t smem_bytes() { return sizeof(float) * size_t(BIG + RP * HD + T * PP + 3 * RP) + 16 * RP; }
     static_assert(LPK * CPL == C && KSLOTS * KPT == T && KG * C == kAttnThreads && TPR <= kWarp);
     static_assert(RP % 4 == 0 && RP <= kAttnMaxRows);
 };
@@ -66,6 +67,8 @@ struct AttnArgs {
     int tok_per_block;  // RP / group
     int n_split;
     float scale;
+    const float *sinks;  // [n_head] or null (gpt-oss)
+    int64_t window;      // > 0: row at position p sees (p - window, p]
 };
 
 /// Position of float4 chunk c of key row k in the K tile: odd rows swap the halves of each 128-byte
@@ -143,9 +146,14 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attention_kernel(const AttnAr
         reinterpret_cast<float4 *>(qs)[e] = v;
     }
     if (tid < RP) lim[tid] = tid < rows ? a.pos0 + t0 + tid / G + 1 : 0;
+    int64_t *lo = lim + RP;  // first position each row sees (sliding window)
+    if (tid < RP) lo[tid] = a.window > 0 && tid < rows ? max(int64_t(0), lim[tid] - a.window) : 0;
 
     const int srow = tid / S::TPR, skk = tid % S::TPR;  // softmax: row and lane within the row's group
-    float m_run = -INFINITY, l_run = 0.0f;
+    // A sink joins its row's denominator once, in split 0: the row starts as if it had seen a score of sink with
+    // weight exp(0) and no value (cpu::attention).
+    const bool sink = a.sinks != nullptr && split == 0 && srow < rows;
+    float m_run = sink ? a.sinks[int64_t(kvh) * G + srow % G] : -INFINITY, l_run = sink ? 1.0f : 0.0f;
     const int pc = tid % C, pkg = tid / C;  // P.V: float4 column and key group
     float4 acc[RP];
 #pragma unroll
@@ -196,7 +204,7 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attention_kernel(const AttnAr
 #pragma unroll
                 for (int i = 0; i < S::NF; ++i) {
                     const int r = base + i;
-                    ps[k * PP + r] = k < n_keys && k0 + k < lim[r] ? s[u][i] : -INFINITY;
+                    ps[k * PP + r] = k < n_keys && k0 + k < lim[r] && k0 + k >= lo[r] ? s[u][i] : -INFINITY;
                 }
             }
         }
@@ -384,7 +392,7 @@ size_t latent_smem_bytes(int64_t dk) {
 
 template <int NC>
 __global__ void __launch_bounds__(kLatThreads) attention_latent_kernel(const LatentArgs a) {
-    extern __shared__ float sm[];
+    extern __shared__ __align__(16) float sm[];
     const int64_t dkp = a.dk + 1;
     float *qs = sm, *ks = qs + kLatHeads * dkp, *ps = ks + kLatKeys * dkp, *mh = ps + kLatHeads * kLatKeys;
     float *lh = mh + kLatHeads, *al = lh + kLatHeads;
@@ -503,7 +511,8 @@ size_t attention_workspace_bytes(int64_t n_tok, int64_t pos0, int64_t n_head, in
 }
 
 void attention(const float *q, const float *k_cache, const float *v_cache, int64_t n_tok, int64_t pos0, int64_t n_head,
-               int64_t n_head_kv, int64_t head_dim, float scale, float *out, Workspace ws, cudaStream_t stream) {
+               int64_t n_head_kv, int64_t head_dim, float scale, float *out, Workspace ws, cudaStream_t stream,
+               const float *sinks, int64_t window) {
     if (n_head_kv < 1 || n_head % n_head_kv != 0 || n_head / n_head_kv > kAttnMaxGroup || n_head_kv > 65535) {
         char msg[160];
         std::snprintf(msg, sizeof msg, "attention: %lld query heads over %lld KV heads (at most %d per KV head)",
@@ -524,8 +533,9 @@ void attention(const float *q, const float *k_cache, const float *v_cache, int64
 
     const int group = int(n_head / n_head_kv);
     const SplitPlan plan = plan_splits(n_tok, pos0, n_head, n_head_kv, head_dim, ws.ptr != nullptr ? ws.bytes : 0);
+    CUDA_ASSERT(window >= 0);
     AttnArgs a{q, k_cache, v_cache, out, nullptr, nullptr, n_tok, pos0, n_head, n_head_kv, plan.split_len, group,
-               attn_rows(n_tok * group) / group, plan.n_split, scale};
+               attn_rows(n_tok * group) / group, plan.n_split, scale, sinks, window};
     if (plan.n_split > 1) {
         a.part_o = static_cast<float *>(ws.ptr);
         a.part_ml = reinterpret_cast<float *>(static_cast<uint8_t *>(ws.ptr) +
@@ -573,9 +583,9 @@ void attention_latent(const float *q, const float *cache, int64_t n_tok, int64_t
     const size_t smem = latent_smem_bytes(dk);
     const dim3 grid(unsigned(n_tok), unsigned(ceil_div(n_head, kLatHeads)), unsigned(plan.n_split));
     auto launch = [&](auto nc) {
-        const void *kernel = reinterpret_cast<const void *>(attention_latent_kernel<decltype(nc)::value>);
-        if (smem > 48 * 1024) raise_dynamic_smem(kernel, smem);
-        attention_latent_kernel<decltype(nc)::value><<<grid, kLatThreads, smem, stream>>>(a);
+        constexpr int NC = decltype(nc)::value;
+        if (smem > 48 * 1024) raise_dynamic_smem(reinterpret_cast<const void *>(attention_latent_kernel<NC>), smem);
+        attention_latent_kernel<NC><<<grid, kLatThreads, smem, stream>>>(a);
     };
     if (dv <= kLatThreads) {
         launch(std::integral_constant<int, 1>{});

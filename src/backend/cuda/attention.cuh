@@ -22,9 +22,12 @@ size_t attention_workspace_bytes(int64_t n_tok, int64_t pos0, int64_t n_head, in
 /// [n_tok][n_head_kv][head_dim] to position pos0); out: [n_tok][n_head][head_dim]. All F32 on the device,
 /// 16-byte aligned. Query head h reads KV head h / (n_head / n_head_kv); scores = (q * scale) . k,
 /// softmax in F32. head_dim in {16, 32, 64, 128, 256}; n_head / n_head_kv <= 16 (others throw Error).
-/// ws: up to attention_workspace_bytes(...) (may be empty). Asynchronous on `stream`.
+/// ws: up to attention_workspace_bytes(...) (may be empty). Options as cpu::attention's (gpt-oss): sinks [n_head]
+/// F32 on the device, one extra unscaled score per query head in each row's denominator; window > 0: the query at
+/// position p sees positions (p - window, p] only. Asynchronous on `stream`.
 void attention(const float *q, const float *k_cache, const float *v_cache, int64_t n_tok, int64_t pos0, int64_t n_head,
-               int64_t n_head_kv, int64_t head_dim, float scale, float *out, Workspace ws, cudaStream_t stream);
+               int64_t n_head_kv, int64_t head_dim, float scale, float *out, Workspace ws, cudaStream_t stream,
+               const float *sinks = nullptr, int64_t window = 0);
 
 /// Workspace bytes attention_latent needs for these sizes on the current device (0 when it does not split the keys).
 size_t attention_latent_workspace_bytes(int64_t n_tok, int64_t pos0, int64_t n_head, int64_t dv);

@@ -26,6 +26,14 @@ __global__ void swiglu_kernel(const float *gate, const float *up, float *out, in
     }
 }
 
+__global__ void swiglu_oai_kernel(const float *gate, const float *up, float *out, int64_t n, float alpha,
+                                  float limit) {
+    PRESCOPE_ELT_LOOP(i, n) {
+        const float g = fminf(gate[i], limit), u = fminf(fmaxf(up[i], -limit), limit);
+        out[i] = g / (1.0f + expf(-alpha * g)) * (u + 1.0f);
+    }
+}
+
 __global__ void add_kernel(const float *a, const float *b, float *out, int64_t n) {
     PRESCOPE_ELT_LOOP(i, n) out[i] = a[i] + b[i];
 }
@@ -46,6 +54,13 @@ void swiglu(const float *gate, const float *up, float *out, int64_t n, cudaStrea
     if (n <= 0) return;
     swiglu_kernel<<<elt_blocks(n), kEltThreads, 0, stream>>>(gate, up, out, n);
     launch_check("swiglu", stream);
+}
+
+void swiglu_oai(const float *gate, const float *up, float *out, int64_t n, float alpha, float limit,
+                cudaStream_t stream) {
+    if (n <= 0) return;
+    swiglu_oai_kernel<<<elt_blocks(n), kEltThreads, 0, stream>>>(gate, up, out, n, alpha, limit);
+    launch_check("swiglu_oai", stream);
 }
 
 void add(const float *a, const float *b, float *out, int64_t n, cudaStream_t stream) {

@@ -11,6 +11,11 @@ namespace prescope::cuda {
 /// out[i] = silu(gate[i]) * up[i], silu(g) = g / (1 + exp(-g)), i < n. out may alias gate or up.
 void swiglu(const float *gate, const float *up, float *out, int64_t n, cudaStream_t stream);
 
+/// gpt-oss's clamped SwiGLU, the twin of cpu::swiglu_oai: g = min(gate[i], limit), u = clamp(up[i], -limit, limit),
+/// out[i] = g / (1 + exp(-alpha g)) * (u + 1), i < n. out may alias gate or up.
+void swiglu_oai(const float *gate, const float *up, float *out, int64_t n, float alpha, float limit,
+                cudaStream_t stream);
+
 /// out[i] = a[i] + b[i], i < n (the residual connection). out may alias a or b.
 void add(const float *a, const float *b, float *out, int64_t n, cudaStream_t stream);
 

@@ -299,8 +299,8 @@ void router_topk(const float *logits, int64_t n_tok, int64_t n_expert, int64_t k
     const int threads = kRouterWarps * kWarp;
     const int slots = int(ceil_div(n_expert, kWarp));
     auto run = [&](auto l) {
-        router_topk_kernel<decltype(l)::value><<<grid, threads, 0, stream>>>(logits, n_tok, ne, kk, spec, probs, ids,
-                                                                             weights);
+        constexpr int L = decltype(l)::value;
+        router_topk_kernel<L><<<grid, threads, 0, stream>>>(logits, n_tok, ne, kk, spec, probs, ids, weights);
     };
     if (slots <= 1) {
         run(std::integral_constant<int, 1>{});
@@ -316,6 +316,30 @@ void router_topk(const float *logits, int64_t n_tok, int64_t n_expert, int64_t k
         run(std::integral_constant<int, 32>{});
     }
     launch_check("router_topk", stream);
+}
+
+namespace {
+
+__global__ void __launch_bounds__(kCombineThreads)
+    add_group_bias_kernel(float *__restrict__ y, int64_t n, const void *const *__restrict__ base, uint64_t bias_offset,
+                          const int32_t *__restrict__ offsets) {
+    const int64_t i = int64_t(blockIdx.x) * kCombineThreads + threadIdx.x;
+    if (i >= n) return;
+    const int64_t g = blockIdx.y, p0 = offsets[g], p1 = offsets[g + 1];
+    if (p0 == p1) return;  // an empty group's pointer may be unset (device-resolved groups past the last)
+    const float b = reinterpret_cast<const float *>(static_cast<const uint8_t *>(base[g]) + bias_offset)[i];
+    for (int64_t p = p0; p < p1; ++p) y[p * n + i] += b;
+}
+
+} // namespace
+
+void add_group_bias(float *y, int64_t n, const void *const *base, uint64_t bias_offset, const int32_t *offsets,
+                    int64_t n_groups, cudaStream_t stream) {
+    CUDA_ASSERT(n > 0 && n_groups >= 0 && n_groups <= kMaxGridY && bias_offset % 4 == 0);
+    if (n_groups == 0) return;
+    const dim3 grid(unsigned(ceil_div(n, kCombineThreads)), unsigned(n_groups));
+    add_group_bias_kernel<<<grid, kCombineThreads, 0, stream>>>(y, n, base, bias_offset, offsets);
+    launch_check("add_group_bias", stream);
 }
 
 void moe_combine(const float *y, const int32_t *pair_ids, const float *weights, int64_t n_tok, int64_t k,

@@ -33,6 +33,14 @@ void router_topk(const float *logits, int64_t n_tok, int64_t n_expert, int64_t k
 void moe_combine(const float *y, const int32_t *pair_ids, const float *weights, int64_t n_tok, int64_t k,
                  int64_t n_embd, bool accumulate, float *out, cudaStream_t stream);
 
+/// y[p][i] += bias_g[i] for every pair p of group g (p in [offsets[g], offsets[g + 1])) and i < n, where bias_g is
+/// the F32 vector at byte `bias_offset` from base[g]: the biases an expert carries in its slot (ExpertLayout's
+/// bias part; gpt-oss). base: device [n_groups] (each group's expert bytes, e.g. its gate matrix pointer);
+/// offsets: device [n_groups + 1] (empty groups past the last allowed, as device-resolved groups have); y:
+/// [n_pairs][n] F32. Asynchronous on `stream`.
+void add_group_bias(float *y, int64_t n, const void *const *base, uint64_t bias_offset, const int32_t *offsets,
+                    int64_t n_groups, cudaStream_t stream);
+
 /// The device-resolved hit path (issue 14): the experts of one layer that the device runs without the host.
 struct DeviceHitsArgs {
     const void **table = nullptr;      // device [n_layers * n_expert]: each expert's slot bytes, or nullptr

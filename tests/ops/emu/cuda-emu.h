@@ -73,6 +73,19 @@ template <class T> T __shfl_xor_sync(unsigned, T v, int o) {
     std::memcpy(&r, &got, sizeof(T));
     return r;
 }
+template <class T> T __shfl_sync(unsigned, T v, int src_lane) {
+    static_assert(sizeof(T) <= 8);
+    const unsigned lane = threadIdx.x % 32, base = threadIdx.x - lane;
+    uint64_t bits = 0;
+    std::memcpy(&bits, &v, sizeof(T));
+    emu_block->xbuf[threadIdx.x] = bits;
+    __syncwarp();
+    const uint64_t got = emu_block->xbuf[base + unsigned(src_lane) % 32];
+    __syncwarp();
+    T r;
+    std::memcpy(&r, &got, sizeof(T));
+    return r;
+}
 template <class T> T __ldg(const T *p) { return *p; }
 template <class T> T *emu_dyn_smem() { return reinterpret_cast<T *>(emu_block->smem.data()); }
 
