@@ -69,6 +69,11 @@ struct HParams {
     int64_t n_layer_dense = 0;        // {arch}.leading_dense_block_count: first layers with a dense FFN
     int64_t n_ff = 0;                 // {arch}.feed_forward_length: rows of the dense layers' gate/up matrices
     ExpertAct expert_act = ExpertAct::SWIGLU;
+    /// MoE layers: il in [n_layer_dense, n_layer) has a router and experts, the leading ones a dense FFN. The
+    /// offload stack indexes by model layer (dense layers get no slots); traces and predictors number the MoE
+    /// layers from 0 (trace layer = il - n_layer_dense, docs/decisions/0134).
+    int64_t n_layer_moe() const { return n_layer - n_layer_dense; }
+    bool has_experts(int64_t il) const { return il >= n_layer_dense && il < n_layer; }
 
     // gpt-oss: biases on the attention output, the router and the experts; per-head attention sinks; a sliding
     // window on every layer il with il % swa_pattern < swa_pattern - 1 (llama.cpp set_swa_pattern: gpt-oss's

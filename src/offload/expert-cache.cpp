@@ -28,8 +28,22 @@ void validate(const ExpertCacheConfig &c) {
         fail("expert cache: expert_bytes has {} entries, expected 1 or {} (n_layers x n_experts)",
              c.expert_bytes.size(), want);
     }
-    for (uint64_t b : c.expert_bytes) {
-        if (b == 0) fail("expert cache: an expert of 0 bytes");
+    if (c.expert_bytes.size() == 1) {
+        if (c.expert_bytes[0] == 0) fail("expert cache: an expert of 0 bytes");
+    } else {
+        // A layer has experts (each of > 0 bytes) or none at all (a leading dense layer: all 0).
+        int32_t with_experts = 0;
+        for (int32_t l = 0; l < c.n_layers; ++l) {
+            const auto first = c.expert_bytes.begin() + ptrdiff_t(size_t(l) * size_t(c.n_experts));
+            const auto zeros = std::count(first, first + c.n_experts, uint64_t(0));
+            if (zeros != 0 && zeros != c.n_experts) {
+                fail("expert cache: layer {} has {} experts of 0 bytes among {}; a layer's experts are all > 0 bytes, "
+                     "or all 0 for a layer without experts",
+                     l, zeros, c.n_experts);
+            }
+            with_experts += zeros == 0;
+        }
+        if (with_experts == 0) fail("expert cache: none of the {} layers has experts (all are 0 bytes)", c.n_layers);
     }
     if (c.slot_alignment == 0) fail("expert cache: slot alignment must be > 0");
 }
@@ -79,6 +93,10 @@ std::vector<int32_t> ExpertCache::split_slots(const ExpertCacheConfig &c, const 
         uint64_t total = 0, bytes = 0;
         for (int32_t l = 0; l < L; ++l) {
             const int32_t k = c.slots_per_layer[size_t(l)];
+            if (b[size_t(l)] == 0) {
+                if (k != 0) fail("expert cache: layer {} has no experts but is given {} slots, expected 0", l, k);
+                continue;
+            }
             if (k < c.top_k || k > E) {
                 fail("expert cache: layer {} is given {} slots, expected {} (top_k) to {} (n_experts)", l, k, c.top_k,
                      E);
@@ -94,10 +112,17 @@ std::vector<int32_t> ExpertCache::split_slots(const ExpertCacheConfig &c, const 
     } else if (c.budget_bytes > 0) {
         const uint64_t min_budget = uint64_t(c.top_k) * per_round;
         if (c.budget_bytes < min_budget) {
-            const auto [lo, hi] = std::minmax_element(b.begin(), b.end());
-            fail("GPU expert budget (--gpu-expert-budget / gpu_cache) of {} is too small: {} layers x top-{} "
+            uint64_t lo = UINT64_MAX, hi = 0;
+            int32_t moe = 0;
+            for (uint64_t x : b) {
+                if (x == 0) continue;  // no experts
+                lo = std::min(lo, x);
+                hi = std::max(hi, x);
+                ++moe;
+            }
+            fail("GPU expert budget (--gpu-expert-budget / gpu_cache) of {} is too small: {} MoE layers x top-{} "
                  "experts in slots of {} to {} need at least {} ({} bytes); use 0 to run every expert on the CPU",
-                 format_byte_size(c.budget_bytes), L, c.top_k, format_byte_size(*lo), format_byte_size(*hi),
+                 format_byte_size(c.budget_bytes), moe, c.top_k, format_byte_size(lo), format_byte_size(hi),
                  format_byte_size(min_budget), min_budget);
         }
         // Even split in slots of each layer's size; what is left buys one slot each for the first layers it
@@ -105,6 +130,7 @@ std::vector<int32_t> ExpertCache::split_slots(const ExpertCacheConfig &c, const 
         const int32_t base = int32_t(std::min<uint64_t>(uint64_t(E), c.budget_bytes / per_round));
         uint64_t rest = c.budget_bytes - uint64_t(base) * per_round;
         for (int32_t l = 0; l < L; ++l) {
+            if (b[size_t(l)] == 0) continue;  // no experts: no slots
             const bool extra = base < E && rest >= b[size_t(l)];
             if (extra) rest -= b[size_t(l)];
             n[size_t(l)] = base + (extra ? 1 : 0);
@@ -117,6 +143,7 @@ ExpertCache::ExpertCache(const ExpertCacheConfig &config, Backend *backend)
     : config_(config), backend_(backend) {
     layer_slot_bytes_ = layer_slot_bytes_for(config_);
     slot_bytes_ = *std::max_element(layer_slot_bytes_.begin(), layer_slot_bytes_.end());
+    n_moe_layers_ = int32_t(std::count_if(layer_slot_bytes_.begin(), layer_slot_bytes_.end(), [](uint64_t b) { return b > 0; }));
     const int32_t L = config_.n_layers, E = config_.n_experts;
     layout_.n_layers = L;
     layout_.n_experts = E;
@@ -133,7 +160,9 @@ ExpertCache::ExpertCache(const ExpertCacheConfig &config, Backend *backend)
     map_.assign(size_t(L) * size_t(E), -1);
     free_.resize(size_t(L));
     pinned_.resize(size_t(L));
-    stats_ = LayerStatsTable(layout_.n_slots);
+    std::vector<uint8_t> no_experts(static_cast<size_t>(L));
+    for (int32_t l = 0; l < L; ++l) no_experts[size_t(l)] = !has_experts(l);
+    stats_ = LayerStatsTable(layout_.n_slots, std::move(no_experts));
     fixed_count_.assign(size_t(L), 0);
     for (int32_t l = 0; l < L; ++l) {
         int32_t first = layout_.first_slot[size_t(l)], count = layout_.n_slots[size_t(l)];
@@ -220,6 +249,7 @@ void ExpertCache::install(int32_t slot, int32_t layer, int32_t expert, bool pref
 }
 
 SlotGrant ExpertCache::acquire(int32_t layer, int32_t expert) {
+    PRESCOPE_ASSERT(has_experts(layer));
     SlotGrant g;
     LayerStats &st = stats_.at(layer);
     int32_t slot = find(layer, expert);
@@ -254,6 +284,7 @@ SlotGrant ExpertCache::acquire(int32_t layer, int32_t expert) {
 }
 
 SlotGrant ExpertCache::prefetch(int32_t layer, int32_t expert) {
+    PRESCOPE_ASSERT(has_experts(layer));  // predictors never name a dense layer (docs/decisions/0134)
     SlotGrant g;
     int32_t slot = find(layer, expert);
     if (slot >= 0) {
@@ -283,6 +314,7 @@ void ExpertCache::protect(int32_t layer, int32_t expert) {
 }
 
 SlotGrant ExpertCache::fix(int32_t layer, int32_t expert) {
+    PRESCOPE_ASSERT(has_experts(layer));
     SlotGrant g;
     int32_t slot = find(layer, expert);
     if (slot < 0) {
@@ -314,15 +346,24 @@ void ExpertCache::release_layer(int32_t layer) {
 }
 
 std::string ExpertCache::describe() const {
-    int32_t lo = layout_.n_layers ? *std::min_element(layout_.n_slots.begin(), layout_.n_slots.end()) : 0;
-    int32_t hi = layout_.n_layers ? *std::max_element(layout_.n_slots.begin(), layout_.n_slots.end()) : 0;
-    const uint64_t small = *std::min_element(layer_slot_bytes_.begin(), layer_slot_bytes_.end());
+    // Over the layers with experts; the dense ones are only counted.
+    int32_t lo = INT32_MAX, hi = 0;
+    uint64_t small = slot_bytes_;
+    for (int32_t l = 0; l < layout_.n_layers; ++l) {
+        if (!has_experts(l)) continue;
+        lo = std::min(lo, layout_.n_slots[size_t(l)]);
+        hi = std::max(hi, layout_.n_slots[size_t(l)]);
+        small = std::min(small, layer_slot_bytes_[size_t(l)]);
+    }
     const std::string sizes = small == slot_bytes_ ? format_byte_size(slot_bytes_)
                                                    : format_byte_size(small) + " to " + format_byte_size(slot_bytes_);
-    return fmt::format("expert cache: budget {}, {} slots of {} ({} to {} per layer, {} layers x {} experts), "
+    const int32_t dense = layout_.n_layers - n_moe_layers_;
+    return fmt::format("expert cache: budget {}, {} slots of {} ({} to {} per layer, {} layers x {} experts{}), "
                        "policy {}, pool {}",
-                       format_byte_size(config_.budget_bytes), n_slots(), sizes, lo, hi, layout_.n_layers,
-                       layout_.n_experts, eviction_policy_name(config_.policy), format_byte_size(pool_bytes_));
+                       format_byte_size(config_.budget_bytes), n_slots(), sizes, lo, hi, n_moe_layers_,
+                       layout_.n_experts,
+                       dense > 0 ? fmt::format("; {} dense layer{} without slots", dense, dense == 1 ? "" : "s") : "",
+                       eviction_policy_name(config_.policy), format_byte_size(pool_bytes_));
 }
 
 nlohmann::json ExpertCache::stats_json() const {

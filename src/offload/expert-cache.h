@@ -17,16 +17,17 @@
 namespace prescope {
 
 struct ExpertCacheConfig {
-    int32_t n_layers = 0;                // MoE layers, numbered 0..n_layers-1 as the cache sees them
+    int32_t n_layers = 0;                // model layers, numbered 0..n_layers-1 as the cache sees them
     int32_t n_experts = 0;               // routed experts per layer
-    int32_t top_k = 0;                   // experts per token: the fewest slots a layer can run with
+    int32_t top_k = 0;                   // experts per token: the fewest slots a MoE layer can run with
     std::vector<uint64_t> expert_bytes;  // [n_layers * n_experts] bytes of each expert's contiguous range
-                                         // (docs/style R4), or [1]: the same for every expert
+                                         // (docs/style R4), or [1]: the same for every expert. A layer whose
+                                         // experts are all 0 bytes has none (a leading dense layer): no slots
     uint64_t budget_bytes = 0;           // GPU bytes for expert slots (--gpu-expert-budget, gpu_cache);
                                          // 0 = no GPU cache (every routed expert runs on the CPU)
     EvictionPolicyKind policy = EvictionPolicyKind::LRU;
-    std::vector<int32_t> slots_per_layer;  // optional [n_layers] split, each in [top_k, n_experts];
-                                           // empty: even split (docs/decisions/0031)
+    std::vector<int32_t> slots_per_layer;  // optional [n_layers] split, each in [top_k, n_experts] (0 for a
+                                           // layer without experts); empty: even split (docs/decisions/0031)
     uint64_t slot_alignment = 256;         // slot size is rounded up to this many bytes
 };
 
@@ -40,8 +41,9 @@ struct SlotGrant {
                                   // late prefetch chunk cannot land on top of the new bytes
 };
 
-/// PRECONDITIONS for acquire/prefetch/release: one thread (the runtime's), layer in [0, n_layers),
-/// expert in [0, n_experts). Nothing after the constructor allocates.
+/// PRECONDITIONS for acquire/prefetch/fix/release: one thread (the runtime's), layer in [0, n_layers) with
+/// experts (has_experts, asserted), expert in [0, n_experts). Nothing after the constructor allocates.
+/// Layers without experts (docs/decisions/0134) have 0 slots, take no budget and no row in the stats.
 /// A slot's bytes may be overwritten only after the compute that last read them has finished: slots
 /// belong to one layer for life, so the runtime makes each load wait for that layer's last compute event.
 class ExpertCache {
@@ -54,13 +56,14 @@ class ExpertCache {
     ExpertCache(const ExpertCache &) = delete;
     ExpertCache &operator=(const ExpertCache &) = delete;
 
-    /// Bytes of each layer's slots, [n_layers]: the layer's largest expert rounded up to slot_alignment.
+    /// Bytes of each layer's slots, [n_layers]: the layer's largest expert rounded up to slot_alignment; 0 for
+    /// a layer without experts.
     /// Layers of a mixed-type file differ (Q4_K_M keeps some layers' down projections in Q6_K), so the
     /// budget buys slots of each layer's own size (docs/decisions/0063).
     static std::vector<uint64_t> layer_slot_bytes_for(const ExpertCacheConfig &config);
     /// The largest slot (of any layer).
     static uint64_t slot_bytes_for(const ExpertCacheConfig &config);
-    /// The smallest non-zero budget: top_k slots in every layer.
+    /// The smallest non-zero budget: top_k slots in every layer with experts.
     static uint64_t min_budget_bytes(const ExpertCacheConfig &config);
     /// Device bytes the slot pool takes for the config's budget and split (<= budget_bytes).
     static uint64_t pool_bytes_for(const ExpertCacheConfig &config);
@@ -69,6 +72,10 @@ class ExpertCache {
     int32_t n_experts() const { return layout_.n_experts; }
     int32_t n_slots() const { return layout_.total_slots(); }
     int32_t layer_slots(int32_t layer) const { return layout_.n_slots[size_t(layer)]; }
+    /// False for a layer without experts (its expert bytes are 0): it has no slots and is never accessed.
+    bool has_experts(int32_t layer) const { return layer_slot_bytes_[size_t(layer)] > 0; }
+    /// Layers with experts.
+    int32_t n_moe_layers() const { return n_moe_layers_; }
     /// The largest slot; slot_bytes(layer): the layer's slots.
     uint64_t slot_bytes() const { return slot_bytes_; }
     uint64_t slot_bytes(int32_t layer) const { return layer_slot_bytes_[size_t(layer)]; }
@@ -126,9 +133,9 @@ class ExpertCache {
     /// Zeroes every counter of every layer.
     void reset_stats() { stats_.reset(); }
 
-    /// One line: budget, slots, slot size, policy.
+    /// One line: budget, slots, slot size, policy (the layers with experts; dense ones counted apart).
     std::string describe() const;
-    /// A table with one row per layer and a total row (printed at exit; LayerStatsTable::text).
+    /// A table with one row per layer with experts and a total row (printed at exit; LayerStatsTable::text).
     std::string stats_table() const { return stats_.text(); }
     /// {"policy", "slot_bytes", "budget_bytes", "layers": [{...per layer...}], "total": {...}} with the
     /// field names of LayerStats.
@@ -164,7 +171,8 @@ class ExpertCache {
     ExpertCacheConfig config_;
     SlotLayout layout_;
     uint64_t slot_bytes_ = 0;                 // the largest of layer_slot_bytes_
-    std::vector<uint64_t> layer_slot_bytes_;  // [n_layers]
+    std::vector<uint64_t> layer_slot_bytes_;  // [n_layers], 0 for a layer without experts
+    int32_t n_moe_layers_ = 0;                // layers with experts
     std::vector<uint64_t> slot_offset_;       // [n_slots] byte offset of each slot in the pool
     uint64_t pool_bytes_ = 0;
     Backend *backend_ = nullptr;

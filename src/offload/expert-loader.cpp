@@ -43,6 +43,7 @@ void ExpertLoader::load(int32_t layer, int32_t expert, const SlotGrant &g, CopyP
 
 void ExpertLoader::load_fixed() {
     for (int32_t l = 0; l < plan_.n_layers; ++l) {
+        if (!cache_.has_experts(l)) continue;  // a dense layer's row of the plan places nothing
         for (int32_t e = 0; e < plan_.n_experts; ++e) {
             if (plan_.at(l, e).home != HomeTier::GPU) continue;
             SlotGrant g = cache_.fix(l, e);

@@ -34,8 +34,9 @@ class ExpertLoader {
     ExpertLoader(const ExpertLoader &) = delete;
     ExpertLoader &operator=(const ExpertLoader &) = delete;
 
-    /// Puts the plan's home-GPU experts into fixed slots and queues their loads. Call once, before the
-    /// first step. Throws prescope::Error when a layer has more of them than slots.
+    /// Puts the plan's home-GPU experts into fixed slots and queues their loads (layers without experts are
+    /// skipped: their row of the plan places nothing). Call once, before the first step. Throws
+    /// prescope::Error when a layer has more of them than slots.
     void load_fixed();
     /// Acquires slots for d's HIT entries, then its FETCH entries (so a fetch never evicts a hit), queues
     /// the demand loads, promotes pending prefetches now needed, sets each GPU entry's slot, and counts the

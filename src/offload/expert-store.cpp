@@ -64,10 +64,11 @@ TensorView unnamed(const TensorView &t) {
 ExpertLayout ExpertLayout::of(const Model &model, int64_t layer) {
     const LayerWeights &l = model.weights().layers[size_t(layer)];
     ExpertLayout x;
+    x.n_embd = model.hp().n_embd;
+    if (l.gate_exps.empty()) return x;  // a dense layer: its empty views would still measure one row of 4 bytes
     x.gate_type = l.gate_exps.type;
     x.up_type = l.up_exps.type;
     x.down_type = l.down_exps.type;
-    x.n_embd = model.hp().n_embd;
     x.n_ff = l.gate_exps.ne[1];
     x.gate_bytes = l.gate_exps.matrix_bytes();
     x.up_bytes = l.up_exps.matrix_bytes();
@@ -99,7 +100,7 @@ ExpertStore::ExpertStore(const Model &model, Backend *backend, const ExpertStore
         layouts_.push_back(ExpertLayout::of(model, l));
         for (int32_t e = 0; e < n_experts_; ++e) {
             const size_t i = size_t(l) * size_t(n_experts_) + size_t(e);
-            if (!flag(config.fetchable, i)) continue;
+            if (layouts_.back().bytes == 0 || !flag(config.fetchable, i)) continue;  // no experts, or CPU only
             region[i] = flag(config.pinned, i) ? 0 : 1;
             offset[i] = region_bytes_[region[i]];
             region_bytes_[region[i]] += layouts_.back().bytes;
@@ -131,7 +132,7 @@ ExpertStore::ExpertStore(const Model &model, Backend *backend, const ExpertStore
     }
     if (config.drop_mapped_pages) {
         for (int32_t l = 0; l < n_layers_; ++l) {
-            bool all = true;
+            bool all = layouts_[size_t(l)].bytes > 0;
             for (int32_t e = 0; e < n_experts_; ++e) all &= region[size_t(l) * size_t(n_experts_) + size_t(e)] >= 0;
             if (!all) continue;  // the CPU still reads some of this layer's experts from the mapping
             const LayerWeights &lw = layers[size_t(l)];
@@ -201,7 +202,12 @@ std::string ExpertStore::describe() const {
     // Mixed-type files give layers of different expert sizes and gate/up/down types: each combination once,
     // with its expert size and number of layers.
     std::vector<std::pair<const ExpertLayout *, int>> kinds;
+    int32_t dense = 0;
     for (const ExpertLayout &x : layouts_) {
+        if (x.bytes == 0) {
+            ++dense;
+            continue;
+        }
         auto it = std::find_if(kinds.begin(), kinds.end(), [&](const auto &k) {
             return k.first->gate_type == x.gate_type && k.first->up_type == x.up_type &&
                    k.first->down_type == x.down_type && k.first->bytes == x.bytes;
@@ -218,9 +224,11 @@ std::string ExpertStore::describe() const {
                              dtype_name(x->gate_type), dtype_name(x->up_type), dtype_name(x->down_type),
                              kinds.size() > 1 ? fmt::format(" in {} layers", n) : "");
     }
-    return fmt::format("expert store: {} layers x {} experts of {}; {} page-locked, {} pageable, "
+    return fmt::format("expert store: {} layers x {} experts of {}{}; {} page-locked, {} pageable, "
                        "{} of the file mapping released{}",
-                       n_layers_, n_experts_, parts, format_byte_size(pinned_bytes()),
+                       n_layers_ - dense, n_experts_, parts,
+                       dense > 0 ? fmt::format(" (and {} dense layer{} without experts)", dense, dense == 1 ? "" : "s")
+                                 : "", format_byte_size(pinned_bytes()),
                        format_byte_size(pageable_bytes()), format_byte_size(dropped_bytes_),
                        pin_refused() ? " (page-locking refused)" : "");
 }

@@ -25,7 +25,8 @@ struct ExpertLayout {
     uint64_t up_offset = 0, down_offset = 0;                // from the expert's first byte
     uint64_t bytes = 0;                                     // whole expert, padding included (multiple of 256)
 
-    /// The layout of `layer`'s experts in `model`.
+    /// The layout of `layer`'s experts in `model`; all sizes 0 (bytes 0, n_ff 0) for a layer without experts
+    /// (a leading dense layer, HParams::has_experts).
     static ExpertLayout of(const Model &model, int64_t layer);
 };
 
@@ -52,7 +53,8 @@ struct ExpertStoreConfig {
 };
 
 /// PRECONDITIONS: the model outlives the store; `backend` (may be null: nothing is page-locked) outlives it.
-/// Allocates only in the constructor.
+/// Allocates only in the constructor. Indexed by model layer: a layer without experts (leading dense layer) has
+/// a layout of 0 bytes and nothing repacked or page-locked, whatever the masks say.
 class ExpertStore {
   public:
     /// Repacks (in parallel) and registers. When the backend refuses to page-lock, keeps the pageable copy
@@ -66,7 +68,8 @@ class ExpertStore {
     int32_t n_layers() const { return n_layers_; }
     int32_t n_experts() const { return n_experts_; }
     const ExpertLayout &layout(int32_t layer) const { return layouts_[size_t(layer)]; }
-    /// Bytes of every expert in canonical form, [n_layers * n_experts] (ExpertCacheConfig::expert_bytes).
+    /// Bytes of every expert in canonical form, [n_layers * n_experts] (ExpertCacheConfig::expert_bytes); 0 for
+    /// the layers without experts.
     std::vector<uint64_t> expert_bytes() const;
     /// Host address of the expert's canonical bytes, or nullptr when it was not repacked (CPU-only).
     const void *host_expert(int32_t layer, int32_t expert) const {

@@ -1,6 +1,8 @@
 // LayerStats: the field table and what it drives (sum, text table, JSON).
 #include "offload/layer-stats.h"
 
+#include "core/error.h"
+
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
@@ -64,8 +66,12 @@ LayerStats &LayerStats::operator+=(const LayerStats &o) {
     return *this;
 }
 
-LayerStatsTable::LayerStatsTable(std::vector<int32_t> slots_per_layer)
-    : layers_(slots_per_layer.size()), slots_(std::move(slots_per_layer)) {}
+LayerStatsTable::LayerStatsTable(std::vector<int32_t> slots_per_layer, std::vector<uint8_t> no_experts)
+    : layers_(slots_per_layer.size()), slots_(std::move(slots_per_layer)), no_experts_(std::move(no_experts)) {
+    PRESCOPE_ASSERT(no_experts_.empty() || no_experts_.size() == layers_.size());
+}
+
+bool LayerStatsTable::shown(size_t layer) const { return no_experts_.empty() || !no_experts_[layer]; }
 
 LayerStats LayerStatsTable::total() const {
     LayerStats t;
@@ -90,7 +96,9 @@ std::string LayerStatsTable::text() const {
         }
         out += fmt::format(" {:>7.1f}\n", 100.0 * s.hit_rate());
     };
-    for (size_t l = 0; l < layers_.size(); ++l) row(std::to_string(l), slots_[l], layers_[l]);
+    for (size_t l = 0; l < layers_.size(); ++l) {
+        if (shown(l)) row(std::to_string(l), slots_[l], layers_[l]);
+    }
     row("all", std::accumulate(slots_.begin(), slots_.end(), 0), total());
     return out;
 }
@@ -98,6 +106,7 @@ std::string LayerStatsTable::text() const {
 nlohmann::json LayerStatsTable::json() const {
     nlohmann::json layers = nlohmann::json::array();
     for (size_t l = 0; l < layers_.size(); ++l) {
+        if (!shown(l)) continue;
         nlohmann::json j = to_json(layers_[l]);
         j["layer"] = l;
         j["slots"] = slots_[l];

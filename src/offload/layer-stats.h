@@ -65,24 +65,29 @@ struct LayerStatsField {
 /// Every field of LayerStats, in the order the table and the JSON list them.
 std::span<const LayerStatsField> layer_stats_fields();
 
-/// The counters of every layer, and the slots each layer has (shown in the table).
+/// The counters of every layer, and the slots each layer has (shown in the table). Indexed by model layer;
+/// layers without experts (leading dense layers) keep their zero counters but have no row in text() / json().
 class LayerStatsTable {
   public:
-    explicit LayerStatsTable(std::vector<int32_t> slots_per_layer = {});
+    /// no_experts: [n_layers] 1 for a layer without experts, or empty (every layer has experts).
+    explicit LayerStatsTable(std::vector<int32_t> slots_per_layer = {}, std::vector<uint8_t> no_experts = {});
     int32_t n_layers() const { return int32_t(layers_.size()); }
     LayerStats &at(int32_t layer) { return layers_[size_t(layer)]; }
     const LayerStats &at(int32_t layer) const { return layers_[size_t(layer)]; }
     LayerStats total() const;
     /// Zeroes every counter of every layer (the one reset).
     void reset();
-    /// One row per layer and a total row ("all"): the fields with a header, then the hit rate.
+    /// One row per layer with experts and a total row ("all"): the fields with a header, then the hit rate.
     std::string text() const;
-    /// {"layers": [{"layer", "slots", every field, "hit_rate"}], "total": {...}}.
+    /// {"layers": [{"layer", "slots", every field, "hit_rate"}], "total": {...}}; "layer" is the model layer.
     nlohmann::json json() const;
 
   private:
+    bool shown(size_t layer) const;  // a row in text() / json()
+
     std::vector<LayerStats> layers_;
     std::vector<int32_t> slots_;
+    std::vector<uint8_t> no_experts_;  // [n_layers] or empty
 };
 
 } // namespace prescope

@@ -35,7 +35,8 @@ struct ExpertPlacement {
 };
 
 /// The placement of every routed expert. CLI flags, planners and the scheduler produce or edit a plan; the
-/// runtime only reads it. Printable (summary()), saved and loaded as JSON (--placement plan.json).
+/// runtime only reads it. Printable (summary()), saved and loaded as JSON (--placement plan.json). One row per
+/// model layer: the row of a leading dense layer (no experts) is ignored.
 struct PlacementPlan {
     int32_t n_layers = 0;
     int32_t n_experts = 0;                // per layer

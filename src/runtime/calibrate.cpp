@@ -112,9 +112,10 @@ void calibrate_cpu(CostProfile &p, const Model &model, int32_t threads, double b
     p.cpu = cpu_model_name();
     p.cpu_threads = threads;
     p.host_read_gb_s = measure_host_read(threads, budget_s * 0.3);
-    const ExpertShape shape = ExpertShape::of(ExpertLayout::of(model, 0));
+    const auto first = int32_t(model.hp().n_layer_dense);  // the first layer with experts
+    const ExpertShape shape = ExpertShape::of(ExpertLayout::of(model, first));
     ShapeTimings &t = p.shape_entry(shape.key());
-    t.cpu_us = measure_cpu_expert(model, 0, threads, std::max(budget_s - seconds_since(t0), 0.1));
+    t.cpu_us = measure_cpu_expert(model, first, threads, std::max(budget_s - seconds_since(t0), 0.1));
     t.cpu_source = fmt::format("measured {} on {} with {} threads ({} token counts, {:.2f} s)", today(), p.cpu, threads,
                                t.cpu_us.size(), seconds_since(t0));
     p.cpu_source = fmt::format("measured {} on {}: host read at {} thread counts; fixed and FLOP terms of shapes "
@@ -132,7 +133,7 @@ bool calibrate_gpu(CostProfile &, const Model &, int32_t, std::string *why) {
 CostModel runtime_cost_model(const Model &model, const OffloadConfig &config, int32_t threads, double budget_s,
                              std::string *notes) {
     CostProfile p = config.cost_profile.empty() ? CostProfile::h200_reference() : CostProfile::load(config.cost_profile);
-    const ExpertShape shape = ExpertShape::of(ExpertLayout::of(model, 0));
+    const ExpertShape shape = ExpertShape::of(ExpertLayout::of(model, model.hp().n_layer_dense));
     const ShapeTimings *t = p.find_shape(shape.key());
     const bool have_cpu = t && !t->cpu_us.empty() && p.cpu == cpu_model_name() && p.cpu_threads == threads;
     std::string where = config.cost_profile.empty() ? "built-in H200 reference" : config.cost_profile;

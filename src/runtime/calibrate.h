@@ -21,7 +21,7 @@ std::string cpu_model_name();
 /// best of a few passes; within about budget_s seconds.
 std::vector<CostPoint> measure_host_read(int32_t threads, double budget_s);
 
-/// One expert of `layer` on the CPU (the executor's batched runner) at 1, 2, 4, ... tokens with `threads`
+/// One expert of `layer` (a layer with experts) on the CPU (the executor's batched runner) at 1, 2, 4, ... tokens with `threads`
 /// threads, best of a few runs each, until budget_s seconds are spent or 512 tokens are reached.
 std::vector<CostPoint> measure_cpu_expert(const Model &model, int32_t layer, int32_t threads, double budget_s);
 

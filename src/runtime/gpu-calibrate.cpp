@@ -88,15 +88,16 @@ bool calibrate_gpu(CostProfile &p, const Model &model, int32_t device, std::stri
                                     backend.info().name);
         p.gpu = backend.info().name;
 
-        // One expert of layer 0 in a slot, tokens 1 .. 512.
+        // Expert 0 of the first layer with experts in a slot, tokens 1 .. 512.
+        const auto first = int32_t(model.hp().n_layer_dense);
         ExpertStoreConfig sc;
         sc.fetchable.assign(size_t(model.hp().n_layer * model.hp().n_expert), 0);
-        sc.fetchable[0] = 1;
+        sc.fetchable[size_t(first * model.hp().n_expert)] = 1;
         sc.drop_mapped_pages = false;
         const ExpertStore store(model, nullptr, sc);
-        const ExpertLayout &x = store.layout(0);
+        const ExpertLayout &x = store.layout(first);
         auto *slot = static_cast<uint8_t *>(buf.take(MemoryKind::DEVICE, x.bytes));
-        backend.copy_h2d_async(slot, store.host_expert(0, 0), x.bytes, stream);
+        backend.copy_h2d_async(slot, store.host_expert(first, 0), x.bytes, stream);
         const int64_t max_tokens = 512, n_embd = model.hp().n_embd;
         auto *act = static_cast<float *>(buf.take(MemoryKind::DEVICE, size_t(max_tokens * (n_embd * 2 + 2 * x.n_ff)) * 4));
         float *xin = act, *gate = act + max_tokens * n_embd, *up = gate + max_tokens * x.n_ff, *y = up + max_tokens * x.n_ff;

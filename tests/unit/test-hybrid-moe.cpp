@@ -15,6 +15,7 @@
 #include "runtime/context.h"
 #include "runtime/hybrid-moe.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <unistd.h>
@@ -590,6 +591,43 @@ TEST(ExpertStore, CpuOnlyExpertsStayInTheMappingAndRefusedPinningKeepsOnePageabl
     const ExpertViews v = store.cpu_views(0, 0);
     EXPECT_EQ(v.gate.matrix(v.index), model->weights().layers[0].gate_exps.matrix(0));
     EXPECT_FALSE(backend.is_host_registered(store.host_expert(0, 1)));
+}
+
+// deepseek2's leading dense layers (decision 0134): layout of 0 bytes, nothing repacked or page-locked whatever the
+// masks say; the loader leaves their row of an all-GPU placement alone.
+TEST(ExpertStore, LayersWithoutExpertsAreNeitherRepackedNorPinned) {
+    const auto model = Model::load(model_path("deepseekv3", "tiny-f32.gguf").string());
+    const HParams &hp = model->hp();
+    ASSERT_GT(hp.n_layer_dense, 0);
+    FakeBackend backend;
+    ExpertStore store(*model, &backend);
+    const ExpertLayout &moe = store.layout(int32_t(hp.n_layer_dense));
+    EXPECT_GT(moe.bytes, 0u);
+    for (int32_t l = 0; l < int32_t(hp.n_layer_dense); ++l) {
+        EXPECT_EQ(store.layout(l).bytes, 0u);
+        EXPECT_EQ(store.layout(l).n_ff, 0);
+        for (int32_t e = 0; e < store.n_experts(); ++e) EXPECT_EQ(store.host_expert(l, e), nullptr);
+    }
+    EXPECT_EQ(store.pinned_bytes(), uint64_t(hp.n_layer_moe() * hp.n_expert) * moe.bytes);
+    EXPECT_NE(store.describe().find(fmt::format("{} layers x {} experts", hp.n_layer_moe(), hp.n_expert)), std::string::npos)
+        << store.describe();
+    EXPECT_NE(store.describe().find("(and 1 dense layer without experts)"), std::string::npos) << store.describe();
+
+    ExpertCacheConfig c;
+    c.n_layers = int32_t(hp.n_layer);
+    c.n_experts = int32_t(hp.n_expert);
+    c.top_k = int32_t(hp.n_expert_used);
+    c.expert_bytes = store.expert_bytes();
+    c.budget_bytes = uint64_t(hp.n_layer_moe() * hp.n_expert) * ExpertCache::slot_bytes_for(c);
+    ExpertCache cache(c, &backend);
+    EXPECT_EQ(cache.layer_slots(0), 0);
+    EXPECT_EQ(cache.n_slots(), int32_t(hp.n_layer_moe() * hp.n_expert));
+    const PlacementPlan plan = PlacementPlan::cpu_layers(c.n_layers, c.n_experts, 0);  // every expert home GPU
+    CopyEngine engine(backend, {});
+    ExpertLoader loader(backend, cache, engine, plan, store.host_experts());
+    loader.load_fixed();
+    engine.drain();
+    for (int32_t l = 0; l < c.n_layers; ++l) EXPECT_EQ(cache.layer_fixed(l), l < hp.n_layer_dense ? 0 : c.n_experts);
 }
 
 TEST(HybridMoe, BudgetBelowOneLayersTopKFailsWithTheMinimum) {

@@ -319,6 +319,54 @@ TEST(ExpertCache, StatsJsonAndTableCarryEveryLayerAndTheTotal) {
     EXPECT_NE(table.find("  all "), std::string::npos) << table;
 }
 
+// A deepseek2 model's leading dense layers (decision 0134): experts of 0 bytes, so no slots, no share of the
+// budget or of its minimum, no row in the stats; the cache still numbers layers as the model does.
+TEST(ExpertCache, LayersWithoutExpertsTakeNoSlotsNoBudgetAndNoStatsRows) {
+    ExpertCacheConfig c = config(3, 8, 2, 0);
+    c.expert_bytes.assign(3 * 8, kExpertBytes);
+    std::fill_n(c.expert_bytes.begin(), 8, 0);  // layer 0 is dense
+    EXPECT_EQ(ExpertCache::min_budget_bytes(c), 2u * 2u * 1024u);
+    c.budget_bytes = 2 * 4 * 1024 + 1024;  // 4 slots for each MoE layer and one more
+    ExpertCache cache(c);
+    EXPECT_FALSE(cache.has_experts(0));
+    EXPECT_TRUE(cache.has_experts(1));
+    EXPECT_EQ(cache.n_moe_layers(), 2);
+    EXPECT_EQ(cache.layer_slots(0), 0);
+    EXPECT_EQ(cache.slot_bytes(0), 0u);
+    EXPECT_EQ(cache.layer_slots(1), 5);  // the remainder goes to the first layer with experts
+    EXPECT_EQ(cache.layer_slots(2), 4);
+    EXPECT_EQ(ExpertCache::pool_bytes_for(c), 9u * 1024u);
+    const std::string d = cache.describe();
+    EXPECT_NE(d.find("(4 to 5 per layer, 2 layers x 8 experts; 1 dense layer without slots)"), std::string::npos) << d;
+
+    step(cache, 1, {3});
+    step(cache, 2, {4});
+    const nlohmann::json j = cache.stats_json();
+    ASSERT_EQ(j["layers"].size(), 2u);
+    EXPECT_EQ(j["layers"][0]["layer"], 1);
+    EXPECT_EQ(j["layers"][1]["slot_bytes"], 1024);
+    const std::string table = cache.stats_table();
+    EXPECT_EQ(std::count(table.begin(), table.end(), '\n'), 4) << table;  // header, layers 1 and 2, total
+    EXPECT_EQ(table.find("\n    0 "), std::string::npos) << table;
+    testing::GTEST_FLAG(death_test_style) = "threadsafe";  // the process may hold OpenMP threads already
+    EXPECT_DEATH(cache.prefetch(0, 1), "has_experts");      // no predictor may name a dense layer
+
+    c.budget_bytes = ExpertCache::min_budget_bytes(c) - 1;
+    const std::string small = error_of([&] { ExpertCache x(c); });
+    EXPECT_NE(small.find("2 MoE layers x top-2 experts in slots of 1.00 KiB to 1.00 KiB"), std::string::npos) << small;
+    c.budget_bytes = 1 << 20;
+    c.slots_per_layer = {0, 2, 3};
+    EXPECT_EQ(ExpertCache(c).n_slots(), 5);
+    c.slots_per_layer = {2, 2, 3};
+    EXPECT_NE(error_of([&] { ExpertCache x(c); }).find("layer 0 has no experts but is given 2 slots, expected 0"),
+              std::string::npos);
+    c.slots_per_layer.clear();
+    c.expert_bytes[8] = 0;  // one expert of layer 1 without bytes
+    EXPECT_NE(error_of([&] { ExpertCache x(c); }).find("layer 1 has 1 experts of 0 bytes among 8"), std::string::npos);
+    std::fill(c.expert_bytes.begin(), c.expert_bytes.end(), 0);
+    EXPECT_NE(error_of([&] { ExpertCache x(c); }).find("none of the 3 layers has experts"), std::string::npos);
+}
+
 TEST(EvictionPolicy, NamesParseAndUnknownNamesFail) {
     EXPECT_EQ(parse_eviction_policy("ARC"), EvictionPolicyKind::ARC);
     EXPECT_EQ(parse_eviction_policy("lfu"), EvictionPolicyKind::LFU);

@@ -71,7 +71,7 @@ void run_calibrate(const CalibrateArgs &a) {
                                : fmt::format("not measured ({}), from {}", why,
                                              a.from.empty() ? std::string("the H200 reference") : a.from));
     p.save(a.output);
-    const ExpertShape shape = ExpertShape::of(ExpertLayout::of(*model, 0));
+    const ExpertShape shape = ExpertShape::of(ExpertLayout::of(*model, model->hp().n_layer_dense));
     std::fprintf(stderr, "%s", CostModel(p, shape, threads, uint64_t(4) << 20).describe().c_str());
     std::fprintf(stderr, "calibrate: wrote %s\n", a.output.c_str());
 }
@@ -118,7 +118,7 @@ void run_simulate(SimulateArgs a) {
     std::string shape_name = a.shape;
     if (!a.model.empty()) {
         const auto model = Model::load(a.model);
-        shape = ExpertShape::of(ExpertLayout::of(*model, 0));
+        shape = ExpertShape::of(ExpertLayout::of(*model, model->hp().n_layer_dense));
         shape_name = a.model;
     } else {
         shape = ExpertShape::named(a.shape);
