@@ -609,8 +609,8 @@ TEST(ExpertStore, LayersWithoutExpertsAreNeitherRepackedNorPinned) {
         for (int32_t e = 0; e < store.n_experts(); ++e) EXPECT_EQ(store.host_expert(l, e), nullptr);
     }
     EXPECT_EQ(store.pinned_bytes(), uint64_t(hp.n_layer_moe() * hp.n_expert) * moe.bytes);
-    EXPECT_NE(store.describe().find(fmt::format("{} layers x {} experts", hp.n_layer_moe(), hp.n_expert)), std::string::npos)
-        << store.describe();
+    const std::string moe_layers = fmt::format("{} layers x {} experts", hp.n_layer_moe(), hp.n_expert);
+    EXPECT_NE(store.describe().find(moe_layers), std::string::npos) << store.describe();
     EXPECT_NE(store.describe().find("(and 1 dense layer without experts)"), std::string::npos) << store.describe();
 
     ExpertCacheConfig c;

@@ -2,6 +2,7 @@
 // (runtime/routing-replay.h) through the CPU engine, and the engine and predictor factories (runtime/engine.h).
 #include "../common/random-trace.h"
 #include "../common/error-of.h"
+#include "../common/tiny-model.h"
 #include "arch/arch.h"
 #include "core/error.h"
 #include "offload/offload-config.h"
@@ -168,6 +169,61 @@ TEST(RoutingReplay, LayersRunTheTracesExpertsInTokenOrderAndWrap) {
     wrong.n_layer += 1;
     EXPECT_NE(error_of([&] { RoutingReplay r(path.string(), wrong); }).find("the model has"), std::string::npos);
     fs::remove(path);
+}
+
+// A trace holds MoE layers only (decision 0134), so one recorded from a 26-layer qwen3moe-shaped model (64 experts,
+// top-6) replays into a deepseek2 model of 1 dense + 26 MoE layers with those experts: model layer il takes trace
+// layer il - 1, and the dense layer routes nothing. A trace of any other layer count is refused, naming the file
+// and both counts.
+TEST(RoutingReplay, ATraceOfMoeLayersFitsAModelWithLeadingDenseLayers) {
+    test::TinyModelSpec spec;
+    spec.arch = "deepseek2";
+    spec.n_layer = 27;
+    spec.n_layer_dense = 1;
+    spec.n_expert = 64;
+    spec.n_expert_used = 6;
+    spec.n_embd = 16;
+    spec.n_ff = 16;
+    const fs::path gguf = fs::temp_directory_path() / ("prescope-unit-replay-ds-" + std::to_string(getpid()) + ".gguf");
+    test::write_tiny_model(gguf.string(), spec);
+    const auto model = Model::load(gguf.string());
+    const HParams &hp = model->hp();
+    ASSERT_EQ(hp.n_layer_moe(), 26);
+    const int n_tok = 5;
+    const RoutingTrace t = test::random_trace(26, 64, 6, {n_tok}, 9, [](int32_t) { return 0.5f; });
+    const fs::path path =
+        fs::temp_directory_path() / ("prescope-unit-replay-26-" + std::to_string(getpid()) + ".pstrace");
+    write_trace(path.string(), t);
+
+    OffloadConfig c;
+    c.routing_trace = path.string();
+    CpuEngine engine(*model, {32, 8}, c);
+    std::vector<std::vector<int32_t>> seen(size_t(hp.n_layer));
+    engine.context().on_routing = [&](int64_t l, const Routing &r) {
+        seen[size_t(l)].assign(r.ids.begin(), r.ids.begin() + r.n_tok * r.k);
+    };
+    const std::vector<int32_t> prompt{1, 2, 3, 4, 5};
+    engine.eval(prompt);
+    EXPECT_TRUE(seen[0].empty());
+    for (int64_t il = 1; il < hp.n_layer; ++il) {
+        std::vector<int32_t> want;
+        for (int i = 0; i < n_tok; ++i) {
+            const uint8_t *ids = t.ids(i, int32_t(il - 1));
+            want.insert(want.end(), ids, ids + 6);
+        }
+        EXPECT_EQ(seen[size_t(il)], want) << "layer " << il;
+    }
+    EXPECT_EQ(engine.context().n_past(), n_tok);
+
+    const RoutingTrace all = test::random_trace(27, 64, 6, {2}, 9, [](int32_t) { return 0.5f; });
+    write_trace(path.string(), all);
+    const std::string msg = error_of([&] { RoutingReplay r(path.string(), hp); });
+    for (const std::string &part : {path.string(), std::string("the trace routes 27 MoE layers x 64 experts, top-6"),
+                                    std::string("the model has 26 MoE layers (of 27 layers; the first 1 dense)")}) {
+        EXPECT_NE(msg.find(part), std::string::npos) << msg;
+    }
+    fs::remove(path);
+    fs::remove(gguf);
 }
 
 TEST(Engine, GpuSettingsWithoutAUsableGpuAreAClearError) {
