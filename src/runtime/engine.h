@@ -88,9 +88,11 @@ std::vector<std::string> gpu_missing_features(const HParams &hp);
 /// is not empty (GpuContext calls it first: running such a model anyway would give wrong tokens silently).
 void check_gpu_runs(const Model &model);
 
-/// The predictor config.predictor names, for up to max_tokens tokens per call and config.prefetch_window:
+/// The predictor config.predictor names, for up to max_tokens tokens per call and config.prefetch_window, over
+/// the model's MoE layers numbered from 0 (hp.n_layer_moe(); dense layers have no router to predict):
 /// nullptr for "none"; "oracle" needs `replay` (it reads the future from the replayed trace) and is returned
-/// in *oracle too. Throws prescope::Error on an unknown name or an unreadable predictor file.
+/// in *oracle too. Throws prescope::Error on an unknown name, an unreadable predictor file, or one trained for
+/// another shape (MoE layers, experts, top-k).
 std::unique_ptr<Predictor> make_predictor(const OffloadConfig &config, const Model &model, int32_t max_tokens,
                                           const RoutingReplay *replay, OraclePredictor **oracle);
 

@@ -6,6 +6,8 @@
 #include "arch/arch.h"
 #include "core/error.h"
 #include "offload/offload-config.h"
+#include "offload/predictor-baselines.h"
+#include "offload/predictor-llapor.h"
 #include "offload/trace.h"
 #include "runtime/engine.h"
 #include "runtime/routing-replay.h"
@@ -14,9 +16,11 @@
 #endif
 
 #include <unistd.h>
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 
@@ -259,4 +263,40 @@ TEST(Engine, PredictorsByName) {
     c.predictor = "/no/such/predictor.bin";
     EXPECT_NE(error_of([&] { make_predictor(c, *model, 1, nullptr, &oracle); }).find("expected none, frequency"),
               std::string::npos);
+}
+
+// Predictors number the MoE layers from 0 (decision 0134): on deepseek2 their shape has n_layer_moe layers, fate reads
+// the routers of the MoE layers only, and a predictor file trained for another shape is refused.
+TEST(Engine, PredictorsNumberTheMoeLayers) {
+    const auto model = tiny("deepseekv3");
+    const HParams &hp = model->hp();
+    ASSERT_GT(hp.n_layer_dense, 0);
+    OffloadConfig c;
+    c.predictor = "frequency";
+    const auto p = make_predictor(c, *model, 4, nullptr, nullptr);
+    const auto *scoring = dynamic_cast<const ScoringPredictor *>(p.get());
+    ASSERT_NE(scoring, nullptr);
+    EXPECT_EQ(scoring->shape().n_layers, hp.n_layer_moe());
+    const auto routers = FatePredictor::read_routers(*model);
+    ASSERT_EQ(int64_t(routers.size()), hp.n_layer_moe());
+    const TensorView &g = model->weights().layers[size_t(hp.n_layer_dense)].gate_inp;
+    ASSERT_EQ(g.type, DType::F32);
+    EXPECT_EQ(std::memcmp(routers[0].data(), g.data, routers[0].size() * 4), 0);
+    c.predictor = "fate";
+    EXPECT_NE(make_predictor(c, *model, 4, nullptr, nullptr), nullptr);
+
+    LlaporConfig lc;
+    lc.kind = "llapor-lstm";
+    lc.shape = {int32_t(hp.n_layer), int32_t(hp.n_expert), int32_t(hp.n_expert_used)};  // every layer: one too many
+    lc.group_start = {0};
+    lc.hidden = 4;
+    const fs::path f = fs::temp_directory_path() / ("prescope-unit-shape-" + std::to_string(getpid()) + ".pred");
+    save_llapor(f.string(), lc, LlaporLstmNet(lc, 1).params());
+    c.predictor = f.string();
+    const std::string msg = error_of([&] { make_predictor(c, *model, 1, nullptr, nullptr); });
+    EXPECT_NE(msg.find(fmt::format("trained for {} MoE layers x {} experts, top-{}; the model has {} x", hp.n_layer,
+                                   hp.n_expert, hp.n_expert_used, hp.n_layer_moe())),
+              std::string::npos)
+        << msg;
+    fs::remove(f);
 }
