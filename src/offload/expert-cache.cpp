@@ -143,7 +143,8 @@ ExpertCache::ExpertCache(const ExpertCacheConfig &config, Backend *backend)
     : config_(config), backend_(backend) {
     layer_slot_bytes_ = layer_slot_bytes_for(config_);
     slot_bytes_ = *std::max_element(layer_slot_bytes_.begin(), layer_slot_bytes_.end());
-    n_moe_layers_ = int32_t(std::count_if(layer_slot_bytes_.begin(), layer_slot_bytes_.end(), [](uint64_t b) { return b > 0; }));
+    n_moe_layers_ = int32_t(layer_slot_bytes_.size()) -
+                    int32_t(std::count(layer_slot_bytes_.begin(), layer_slot_bytes_.end(), uint64_t(0)));
     const int32_t L = config_.n_layers, E = config_.n_experts;
     layout_.n_layers = L;
     layout_.n_experts = E;

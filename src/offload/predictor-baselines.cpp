@@ -58,9 +58,9 @@ FatePredictor::FatePredictor(PredictorShape shape, int64_t dim, std::vector<std:
 
 std::vector<std::vector<float>> FatePredictor::read_routers(const Model &model) {
     const HParams &hp = model.hp();
-    std::vector<std::vector<float>> out(size_t(hp.n_layer));
-    for (int64_t l = 0; l < hp.n_layer; ++l) {
-        const TensorView &g = model.weights().layers[size_t(l)].gate_inp;
+    std::vector<std::vector<float>> out(size_t(hp.n_layer_moe()));
+    for (int64_t l = 0; l < hp.n_layer_moe(); ++l) {
+        const TensorView &g = model.weights().layers[size_t(hp.n_layer_dense + l)].gate_inp;
         auto &r = out[size_t(l)];
         r.resize(size_t(hp.n_expert * hp.n_embd));
         for (int64_t e = 0; e < hp.n_expert; ++e) dequantize_row(g.type, g.row(e), r.data() + e * hp.n_embd, hp.n_embd);
@@ -68,8 +68,9 @@ std::vector<std::vector<float>> FatePredictor::read_routers(const Model &model) 
     return out;
 }
 
-std::vector<std::vector<float>> FatePredictor::read_routers_safetensors(const std::string &path, int32_t n_layers,
-                                                                        int32_t n_experts, int64_t dim) {
+std::vector<std::vector<float>> FatePredictor::read_routers_safetensors(const std::string &path, int32_t first_layer,
+                                                                        int32_t n_layers, int32_t n_experts,
+                                                                        int64_t dim) {
     // safetensors: uint64 LE header size, JSON {name: {dtype, shape, data_offsets: [begin, end]}}, then data.
     std::ifstream in(path, std::ios::binary);
     if (!in) fail("{}: cannot open the safetensors file", path);
@@ -87,9 +88,12 @@ std::vector<std::vector<float>> FatePredictor::read_routers_safetensors(const st
     const uint64_t base = 8 + hlen;
     std::vector<std::vector<float>> out(static_cast<size_t>(n_layers));
     for (int32_t l = 0; l < n_layers; ++l) {
-        std::string name = "layers." + std::to_string(l) + ".mlp.gate.weight";
+        const int32_t layer = first_layer + l;  // HF numbers every layer, dense ones included
+        std::string name = "layers." + std::to_string(layer) + ".mlp.gate.weight";
         if (!h.contains(name)) name = "model." + name;
-        if (!h.contains(name)) fail("{}: no tensor layers.{}.mlp.gate.weight (the router of layer {})", path, l, l);
+        if (!h.contains(name)) {
+            fail("{}: no tensor layers.{}.mlp.gate.weight (the router of layer {})", path, layer, layer);
+        }
         const nlohmann::json &t = h[name];
         const std::string dtype = t.value("dtype", "");
         const auto shape = t.value("shape", std::vector<int64_t>{});

@@ -35,16 +35,19 @@ class FrequencyPredictor final : public ScoringPredictor {
 /// (ffn_gate_inp) to layer l's router input; score = the softmax probability. Needs PredictorInput::hidden.
 class FatePredictor final : public ScoringPredictor {
   public:
-    /// routers: [n_layers][n_experts * dim] F32 router matrices, row e = expert e's gate vector.
+    /// routers: [n_layers][n_experts * dim] F32 router matrices of the MoE layers, row e = expert e's gate
+    /// vector.
     FatePredictor(PredictorShape shape, int64_t dim, std::vector<std::vector<float>> routers,
                   int32_t max_tokens = 1, int32_t max_window = 8);
-    /// The router matrices of a loaded model (ffn_gate_inp of each layer, any supported dtype, as F32).
+    /// The router matrices of a loaded model: ffn_gate_inp (any supported dtype, as F32) of its MoE layers
+    /// hp.n_layer_dense .. n_layer-1, [n_layer_moe], the predictors' layer numbering (docs/decisions/0134).
     static std::vector<std::vector<float>> read_routers(const Model &model);
-    /// The router matrices from an HF safetensors file: tensors [model.]layers.{l}.mlp.gate.weight of shape
-    /// [n_experts][dim] in F32, F16 or BF16 (as traces/topo-routers.safetensors holds them). Throws
+    /// The router matrices from an HF safetensors file: tensors [model.]layers.{first_layer + l}.mlp.gate.weight
+    /// for l < n_layers, of shape [n_experts][dim] in F32, F16 or BF16 (as traces/topo-routers.safetensors holds
+    /// them); first_layer: the model layer of the first MoE layer (RoutingTrace::first_moe_layer). Throws
     /// prescope::Error naming the file and tensor on a missing tensor, wrong shape or dtype, or bad offsets.
-    static std::vector<std::vector<float>> read_routers_safetensors(const std::string &path, int32_t n_layers,
-                                                                     int32_t n_experts, int64_t dim);
+    static std::vector<std::vector<float>> read_routers_safetensors(const std::string &path, int32_t first_layer,
+                                                                     int32_t n_layers, int32_t n_experts, int64_t dim);
     const char *name() const override { return "fate"; }
     bool needs_hidden() const override { return true; }
     void score(const PredictorInput &in, std::span<float> scores) override;

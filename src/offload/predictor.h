@@ -13,7 +13,8 @@ namespace prescope {
 
 /// One expert a predictor wants on the GPU soon.
 struct PrefetchRequest {
-    int32_t layer = 0;
+    int32_t layer = 0;  // a predictor's MoE layer (from 0); the model layer (+ n_layer_dense) once HybridMoe hands
+                        // it to the planner and the loader (docs/decisions/0134)
     int32_t expert = 0;
     float score = 0;  // higher = more wanted; comparable within one predict() call (e.g. a probability)
 };
@@ -38,6 +39,10 @@ class PrefetchList {
         });
     }
     std::span<const PrefetchRequest> items() const { return items_; }
+    /// Adds `offset` to every request's layer (a predictor's MoE layers -> model layers).
+    void offset_layers(int32_t offset) {
+        for (PrefetchRequest &r : items_) r.layer += offset;
+    }
     size_t size() const { return items_.size(); }
     size_t capacity() const { return items_.capacity(); }
 
@@ -45,9 +50,10 @@ class PrefetchList {
     std::vector<PrefetchRequest> items_;
 };
 
-/// What a predictor sees after layer `layer` has routed its tokens.
+/// What a predictor sees after layer `layer` has routed its tokens. Predictors number the MoE layers from 0, as
+/// traces do: a model's leading dense layers (no router) are not among them (docs/decisions/0134).
 struct PredictorInput {
-    int32_t layer = 0;                 // the layer that just routed
+    int32_t layer = 0;                 // the MoE layer that just routed (model layer - n_layer_dense)
     int32_t n_layers = 0;              // MoE layers in the model
     int32_t window = 1;                // prefetch_window w: predict layers layer+1 .. min(layer+w, n_layers-1)
     std::span<const int32_t> routed;   // [n_tokens * top_k] expert ids this layer routed to

@@ -165,6 +165,7 @@ RoutingTrace read_trace(const std::string &path) {
     t.arch = str_field(path, h, "arch");
     t.created_by = str_field(path, h, "created_by");
     t.n_layer = int32_t(int_field(path, h, "n_layer", 1, 4096));
+    if (h.contains("first_moe_layer")) t.first_moe_layer = int32_t(int_field(path, h, "first_moe_layer", 0, 4095));
     t.n_expert = int32_t(int_field(path, h, "n_expert", 1, 256));
     t.top_k = int32_t(int_field(path, h, "top_k", 1, t.n_expert));
     int_field(path, h, "gate_weight_scale", RoutingTrace::GATE_WEIGHT_SCALE, RoutingTrace::GATE_WEIGHT_SCALE);
@@ -217,9 +218,10 @@ RoutingTrace read_trace(const std::string &path) {
 std::string encode_trace(const std::string &path, const RoutingTrace &t, int level) {
     const int64_t n = t.n_tokens();
     const size_t lk = size_t(t.n_layer) * size_t(t.top_k);
-    if (t.n_layer < 1 || t.n_expert < 1 || t.n_expert > 256 || t.top_k < 1 || t.top_k > t.n_expert) {
-        fail("{}: cannot write a trace with n_layer {}, n_expert {} (at most 256), top_k {}", path, t.n_layer,
-             t.n_expert, t.top_k);
+    if (t.n_layer < 1 || t.n_expert < 1 || t.n_expert > 256 || t.top_k < 1 || t.top_k > t.n_expert ||
+        t.first_moe_layer < 0 || t.first_moe_layer > 4095) {
+        fail("{}: cannot write a trace with n_layer {}, n_expert {} (at most 256), top_k {}, first_moe_layer {}", path,
+             t.n_layer, t.n_expert, t.top_k, t.first_moe_layer);
     }
     if (t.expert_ids.size() != size_t(n) * lk || t.gate_q.size() != size_t(n) * lk) {
         fail("{}: trace arrays hold {} ids and {} gates, expected {} tokens x {}", path, t.expert_ids.size(),
@@ -241,10 +243,12 @@ std::string encode_trace(const std::string &path, const RoutingTrace &t, int lev
     for (uint8_t id : t.expert_ids) {
         if (id >= t.n_expert) fail("{}: expert id {} >= n_expert {}", path, id, t.n_expert);
     }
-    const json h = {{"format_version", FORMAT_VERSION}, {"model", t.model}, {"arch", t.arch},
-                    {"n_layer", t.n_layer}, {"n_expert", t.n_expert}, {"top_k", t.top_k},
-                    {"gate_weight_scale", RoutingTrace::GATE_WEIGHT_SCALE}, {"sequences", seqs},
-                    {"n_tokens", n}, {"created_by", t.created_by}};
+    json h = {{"format_version", FORMAT_VERSION}, {"model", t.model}, {"arch", t.arch},
+              {"n_layer", t.n_layer}, {"n_expert", t.n_expert}, {"top_k", t.top_k},
+              {"gate_weight_scale", RoutingTrace::GATE_WEIGHT_SCALE}, {"sequences", seqs},
+              {"n_tokens", n}, {"created_by", t.created_by}};
+    // Absent means 0: traces of models without dense layers keep the bytes they always had.
+    if (t.first_moe_layer > 0) h["first_moe_layer"] = t.first_moe_layer;
     std::string raw = header_bytes(TRACE_MAGIC, h);
     raw.reserve(raw.size() + size_t(n) * (4 + 2 * lk));
     for (int64_t i = 0; i < n; ++i) {
@@ -408,6 +412,7 @@ RoutingTrace select_sequences(const RoutingTrace &t, std::span<const int64_t> se
     out.arch = t.arch;
     out.created_by = t.created_by;
     out.n_layer = t.n_layer;
+    out.first_moe_layer = t.first_moe_layer;
     out.n_expert = t.n_expert;
     out.top_k = t.top_k;
     const auto bounds = t.sequence_bounds();
@@ -504,34 +509,32 @@ TraceRecorder::TraceRecorder(Context &ctx, std::string model_name, std::string c
     : ctx_(ctx), with_hidden_(with_hidden) {
     const HParams &hp = ctx.model().hp();
     if (hp.n_expert > 256) fail("the trace format stores expert ids as uint8; this model has {} experts", hp.n_expert);
-    if (hp.n_layer_dense > 0) {
-        fail("the trace format has routing for every layer, but this {} model's first {} layer{} dense (no "
-             "router); tracing such models is not supported yet", hp.arch, hp.n_layer_dense,
-             hp.n_layer_dense == 1 ? " is" : "s are");
-    }
     trace_.model = std::move(model_name);
     trace_.arch = hp.arch;
     trace_.created_by = std::move(created_by);
-    trace_.n_layer = int32_t(hp.n_layer);
+    // The MoE layers only: the hooks fire for them alone (Context::moe_block).
+    const int64_t L = hp.n_layer_moe(), dense = hp.n_layer_dense;
+    trace_.n_layer = int32_t(L);
+    trace_.first_moe_layer = int32_t(dense);
     trace_.n_expert = int32_t(hp.n_expert);
     trace_.top_k = int32_t(hp.n_expert_used);
     hidden_.n_layer = trace_.n_layer;
     hidden_.dim = hp.n_embd;
-    ids_.resize(size_t(hp.n_layer));
-    w_.resize(size_t(hp.n_layer));
-    x_.resize(size_t(hp.n_layer));
-    tok_ids_.resize(size_t(hp.n_layer * hp.n_expert_used));
+    ids_.resize(size_t(L));
+    w_.resize(size_t(L));
+    x_.resize(size_t(L));
+    tok_ids_.resize(size_t(L * hp.n_expert_used));
     tok_w_.resize(tok_ids_.size());
-    tok_x_.resize(size_t(hp.n_layer * hp.n_embd));
-    ctx_.on_routing = [this](int64_t layer, const Routing &r) {
-        auto &ids = ids_[size_t(layer)];
-        auto &w = w_[size_t(layer)];
+    tok_x_.resize(size_t(L * hp.n_embd));
+    ctx_.on_routing = [this, dense](int64_t layer, const Routing &r) {
+        auto &ids = ids_[size_t(layer - dense)];
+        auto &w = w_[size_t(layer - dense)];
         ids.insert(ids.end(), r.ids.begin(), r.ids.begin() + r.n_tok * r.k);
         w.insert(w.end(), r.weights.begin(), r.weights.begin() + r.n_tok * r.k);
     };
     if (with_hidden_) {
-        ctx_.on_router_input = [this](int64_t layer, const float *x, int64_t n_tok) {
-            auto &dst = x_[size_t(layer)];
+        ctx_.on_router_input = [this, dense](int64_t layer, const float *x, int64_t n_tok) {
+            auto &dst = x_[size_t(layer - dense)];
             dst.insert(dst.end(), x, x + n_tok * hidden_.dim);
         };
     }
@@ -552,7 +555,8 @@ void TraceRecorder::add_tokens(std::span<const int32_t> tokens) {
     const int64_t k = trace_.top_k, L = trace_.n_layer, d = hidden_.dim;
     for (int64_t l = 0; l < L; ++l) {
         if (int64_t(ids_[size_t(l)].size()) != n * k || (with_hidden_ && int64_t(x_[size_t(l)].size()) != n * d)) {
-            fail("trace recorder: layer {} routed {} tokens, expected {}", l, ids_[size_t(l)].size() / size_t(k), n);
+            fail("trace recorder: layer {} routed {} tokens, expected {}", l + trace_.first_moe_layer,
+                 ids_[size_t(l)].size() / size_t(k), n);
         }
     }
     TraceSequence &seq = trace_.sequences.back();

@@ -20,15 +20,18 @@ struct TraceSequence {
     int64_t n_prompt = -1; // tokens before the model's own decoded continuation; -1: all given (no decode part)
 };
 
-/// A decoded routing trace. Per token (sequences in order, prompt then generated tokens) and per layer: the
+/// A decoded routing trace. Per token (sequences in order, prompt then generated tokens) and per MoE layer: the
 /// router's top-k expert ids (descending gate weight) and the gate weights quantised as q = round(w * 255).
+/// Layers are the recording model's MoE layers numbered from 0: its leading dense layers (no router) are not in
+/// the trace, and trace layer l is that model's layer first_moe_layer + l (docs/decisions/0134).
 struct RoutingTrace {
     static constexpr int32_t GATE_WEIGHT_SCALE = 255;
 
     std::string model;       // free text: which model produced it
     std::string arch;        // general.architecture of that model
     std::string created_by;  // tool and arguments
-    int32_t n_layer = 0;
+    int32_t n_layer = 0;          // MoE layers
+    int32_t first_moe_layer = 0;  // the recording model's leading dense layers (header field, absent = 0)
     int32_t n_expert = 0;    // <= 256 (ids are uint8)
     int32_t top_k = 0;
     std::vector<TraceSequence> sequences;
@@ -52,20 +55,23 @@ struct RoutingTrace {
 };
 
 /// Reads and validates a .pstrace file: one zstd frame (nothing after it), magic "PSTRACE1", format_version 1,
-/// header fields and their ranges (n_expert <= 256, top_k <= n_expert, gate_weight_scale 255), sequence token
-/// counts summing to n_tokens, body length = n_tokens x (4 + n_layer x 2 x top_k), every id < n_expert.
+/// header fields and their ranges (n_expert <= 256, top_k <= n_expert, gate_weight_scale 255, the optional
+/// first_moe_layer in [0, 4096)), sequence token counts summing to n_tokens, body length = n_tokens x (4 +
+/// n_layer x 2 x top_k), every id < n_expert.
 /// Throws prescope::Error "PATH: what is wrong" on any violation or I/O error.
 RoutingTrace read_trace(const std::string &path);
 /// Writes `t` as one zstd frame (compression level 1..19) under a temporary name, renamed to `path` when
-/// complete (core/output-file.h). Throws prescope::Error naming the file when the arrays disagree with the
-/// header fields, an id is >= n_expert, or the file cannot be written (nothing is left behind then).
+/// complete (core/output-file.h); the header has first_moe_layer only when it is not 0. Throws prescope::Error
+/// naming the file when the arrays disagree with the header fields, an id is >= n_expert, or the file cannot be
+/// written (nothing is left behind then).
 void write_trace(const std::string &path, const RoutingTrace &t, int level = 12);
 /// The bytes write_trace writes; `path` only names the file in errors. For writers of several files that
 /// commit them together (prescope trace: the trace and its sidecar).
 std::string encode_trace(const std::string &path, const RoutingTrace &t, int level = 12);
 
-/// A decoded hidden-state sidecar: for each covered token (in token_ranges order) and layer, the input of the
-/// layer's router (post-attention RMSNorm output) as int8 with one F32 absmax scale: x = q * scale.
+/// A decoded hidden-state sidecar: for each covered token (in token_ranges order) and MoE layer (the trace's
+/// numbering), the input of the layer's router (post-attention RMSNorm output) as int8 with one F32 absmax
+/// scale: x = q * scale.
 struct HiddenTrace {
     std::string trace;    // file name of the trace it belongs to (NAME.pstrace)
     int32_t n_layer = 0;
@@ -124,7 +130,8 @@ struct TracePrompt {
 std::vector<TracePrompt> read_prompt_file(const std::string &path, const std::string &default_source);
 
 /// Records routing (and optionally router inputs) from a Context through its on_routing / on_router_input
-/// hooks (which it sets in its constructor and clears in its destructor). Usage: begin_sequence(name, source),
+/// hooks (which it sets in its constructor and clears in its destructor): the model's MoE layers, trace layer
+/// il - hp.n_layer_dense for model layer il (first_moe_layer = hp.n_layer_dense). Usage: begin_sequence(name, source),
 /// then ctx.eval(chunk) followed by add_tokens(chunk) for each chunk of the sequence. Holds everything in memory (one record
 /// is 4 + n_layer x 2 x top_k bytes; a sidecar token n_layer x (4 + dim) bytes).
 class TraceRecorder {
@@ -144,7 +151,7 @@ class TraceRecorder {
     bool with_hidden_;
     RoutingTrace trace_;
     HiddenTrace hidden_;
-    std::vector<std::vector<int32_t>> ids_;   // [n_layer] captured [n_tok][top_k] of the pending tokens
+    std::vector<std::vector<int32_t>> ids_;   // [n_layer] (trace layers) captured [n_tok][top_k] of the pending tokens
     std::vector<std::vector<float>> w_;       // [n_layer] captured gate weights
     std::vector<std::vector<float>> x_;       // [n_layer] captured router inputs [n_tok][dim]
     std::vector<int32_t> tok_ids_;            // scratch [n_layer * top_k]

@@ -293,7 +293,7 @@ void Context::moe_block(int64_t il, int64_t n) {
     if (on_routing) on_routing(il, routing_);
     executor_->run(il, h_.data(), routing_, ffn_.data());
 
-    if (hp.shared_expert) {
+    if (hp.shared_expert && !executor_->adds_shared_expert()) {
         // HF Qwen2MoeSparseMoeBlock: out += sigmoid(shared_expert_gate(x)) * shared_expert(x); DeepseekV3MoE adds
         // the shared experts ungated.
         float *y = shexp_.data(), *scratch = y + n * n_embd;

@@ -43,7 +43,7 @@ std::string routing_source(const RoutingReplay *replay) {
 std::unique_ptr<Predictor> make_predictor(const OffloadConfig &config, const Model &model, int32_t max_tokens,
                                           const RoutingReplay *replay, OraclePredictor **oracle) {
     const HParams &hp = model.hp();
-    const PredictorShape shape{int32_t(hp.n_layer), int32_t(hp.n_expert), int32_t(hp.n_expert_used)};
+    const PredictorShape shape{int32_t(hp.n_layer_moe()), int32_t(hp.n_expert), int32_t(hp.n_expert_used)};
     const int32_t window = std::max(config.prefetch_window, 1);
     const std::string &name = config.predictor;
     if (oracle) *oracle = nullptr;
@@ -64,7 +64,13 @@ std::unique_ptr<Predictor> make_predictor(const OffloadConfig &config, const Mod
     if (!std::filesystem::exists(name)) {
         fail("--predictor {}: expected none, frequency, recency, fate, oracle or a predictor file", name);
     }
-    return load_llapor(name, max_tokens);
+    std::unique_ptr<ScoringPredictor> p = load_llapor(name, max_tokens);
+    const PredictorShape &s = p->shape();
+    if (s.n_layers != shape.n_layers || s.n_experts != shape.n_experts || s.top_k != shape.top_k) {
+        fail("--predictor {}: trained for {} MoE layers x {} experts, top-{}; the model has {} x {}, top-{}", name,
+             s.n_layers, s.n_experts, s.top_k, shape.n_layers, shape.n_experts, shape.top_k);
+    }
+    return p;
 }
 
 std::unique_ptr<Engine> make_engine(const Model &model, ContextParams params, const OffloadConfig &config) {

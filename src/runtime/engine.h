@@ -81,9 +81,11 @@ class CpuEngine final : public Engine {
 /// when config.gpu is set in a build without CUDA or on a machine without a CUDA device.
 std::unique_ptr<Engine> make_engine(const Model &model, ContextParams params, const OffloadConfig &config);
 
-/// The predictor config.predictor names, for up to max_tokens tokens per call and config.prefetch_window:
+/// The predictor config.predictor names, for up to max_tokens tokens per call and config.prefetch_window, over
+/// the model's MoE layers numbered from 0 (hp.n_layer_moe(); dense layers have no router to predict):
 /// nullptr for "none"; "oracle" needs `replay` (it reads the future from the replayed trace) and is returned
-/// in *oracle too. Throws prescope::Error on an unknown name or an unreadable predictor file.
+/// in *oracle too. Throws prescope::Error on an unknown name, an unreadable predictor file, or one trained for
+/// another shape (MoE layers, experts, top-k).
 std::unique_ptr<Predictor> make_predictor(const OffloadConfig &config, const Model &model, int32_t max_tokens,
                                           const RoutingReplay *replay, OraclePredictor **oracle);
 

@@ -74,10 +74,12 @@ HybridMoe::HybridMoe(const Model &model, const ExpertStore &store, const Placeme
                      bool shared_on_device)
     : model_(model), store_(store), placement_(placement), cache_(cache), loader_(loader), engine_(engine),
       predictor_(predictor), device_(device), backend_(backend), config_(config), shared_on_device_(shared_on_device),
-      max_tokens_(max_tokens) {
+      shared_gated_(shared_on_device && model.hp().shared_expert_gate), max_tokens_(max_tokens) {
     const HParams &hp = model.hp();
     PRESCOPE_ASSERT((cache == nullptr) == (loader == nullptr) && (loader == nullptr) == (engine == nullptr));
     PRESCOPE_ASSERT(max_tokens > 0);
+    PRESCOPE_ASSERT(!shared_on_device || hp.shared_expert);
+    PRESCOPE_ASSERT(!cache || (cache->n_layers() == hp.n_layer && cache->n_moe_layers() == hp.n_layer_moe()));
     placement.check_shape(int32_t(hp.n_layer), int32_t(hp.n_expert), "placement plan");
     const auto E = size_t(hp.n_expert), k = size_t(hp.n_expert_used), pairs = size_t(max_tokens) * k;
     const auto window = size_t(std::max(config_.planner.prefetch_window, 0));
@@ -142,14 +144,16 @@ void HybridMoe::step(LayerStep s) {
 }
 
 void HybridMoe::predict(int32_t layer, const float *h, const Routing &r) {
-    const int32_t n_layers = int32_t(model_.hp().n_layer);
+    const HParams &hp = model_.hp();
+    const int32_t n_layers = int32_t(hp.n_layer), dense = int32_t(hp.n_layer_dense);
     const int64_t nt = std::min(r.n_tok, config_.predict_max_tokens), first = r.n_tok - nt;
     predicted_.clear();
     if (predictor_ && config_.planner.prefetch_window > 0 && layer + 1 < n_layers) {
         const double t0 = now_us();
+        // The predictor numbers the MoE layers from 0 (as traces do), so it never sees the dense ones.
         PredictorInput in;
-        in.layer = layer;
-        in.n_layers = n_layers;
+        in.layer = layer - dense;
+        in.n_layers = n_layers - dense;
         in.window = config_.planner.prefetch_window;
         in.routed = std::span<const int32_t>(r.ids).subspan(size_t(first * r.k), size_t(nt * r.k));
         in.n_tokens = int32_t(nt);
@@ -157,6 +161,8 @@ void HybridMoe::predict(int32_t layer, const float *h, const Routing &r) {
         in.hidden = h + first * model_.hp().n_embd;
         in.n_embd = model_.hp().n_embd;
         predictor_->predict(in, predicted_);
+        predicted_.offset_layers(dense);
+        for (const PrefetchRequest &p : predicted_.items()) PRESCOPE_ASSERT(p.layer > layer && p.layer < n_layers);
         predicted_.sort_by_score();
         const double us = now_us() - t0;
         if (LayerStats *st = stats(layer)) st->predict_us += us;
@@ -233,11 +239,10 @@ void HybridMoe::build_step(const Routing &r, std::span<const float> shared_gate)
             }
         }
         if (shared_on_device_) {
-            // HF Qwen2MoeSparseMoeBlock: sigmoid(shared_expert_gate(x)) scales the shared expert, added last;
-            // DeepseekV3MoE adds it unscaled.
+            // Added last. HF Qwen2MoeSparseMoeBlock scales it by sigmoid(shared_expert_gate(x)); DeepseekV3MoE adds
+            // it unscaled, and 1.0f * y == y, so the column changes no bit against an unweighted add.
             s.pair_ids[size_t(t * kc + k)] = int32_t(s.n_gpu_pairs + s.n_cpu_pairs + t);
-            s.weights[size_t(t * kc + k)] =
-                model_.hp().shared_expert_gate ? 1.0f / (1.0f + std::exp(-shared_gate[size_t(t)])) : 1.0f;
+            s.weights[size_t(t * kc + k)] = shared_gated_ ? 1.0f / (1.0f + std::exp(-shared_gate[size_t(t)])) : 1.0f;
         }
     }
 }
@@ -252,7 +257,7 @@ bool HybridMoe::device_hit(const RoutedExpert &x) const {
 }
 
 bool HybridMoe::launch_device_hits(int32_t layer, int64_t n_tok) {
-    PRESCOPE_ASSERT(layer >= 0 && layer < model_.hp().n_layer);
+    PRESCOPE_ASSERT(model_.hp().has_experts(layer));  // dense layers have no routing, slots or table row
     device_hits_layer_ = -1;
     if (!cache_ || n_tok <= 0 || n_tok > std::min(max_tokens_, device_.device_hits_max_tokens())) return false;
     const auto E = size_t(model_.hp().n_expert);
@@ -402,8 +407,9 @@ void HybridMoe::mark_routing_copied(int32_t layer, Stream stream) {
 }
 
 void HybridMoe::run_layer(int32_t layer, const float *h, const Routing &r, std::span<const float> shared_gate) {
+    PRESCOPE_ASSERT(model_.hp().has_experts(layer));
     PRESCOPE_ASSERT(r.n_tok > 0 && r.n_tok <= max_tokens_ && r.k == model_.hp().n_expert_used);
-    PRESCOPE_ASSERT(!shared_on_device_ || !model_.hp().shared_expert_gate || shared_gate.size() >= size_t(r.n_tok));
+    PRESCOPE_ASSERT(!shared_gated_ || shared_gate.size() >= size_t(r.n_tok));
     PRESCOPE_ASSERT(device_hits_layer_ < 0 || device_hits_layer_ == layer);
     step_layer_ = layer;
     last_step_ = -1;

@@ -65,7 +65,8 @@ struct MoeStep {
     std::vector<int32_t> cpu_rows;     // [n_cpu_pairs]
     int64_t n_cpu_pairs = 0;
     std::vector<int32_t> pair_ids;  // [n_tok][k_comb] pair-buffer row of each (token, top-k slot)
-    std::vector<float> weights;     // [n_tok][k_comb] routing weight (shared column: sigmoid of its gate)
+    std::vector<float> weights;     // [n_tok][k_comb] routing weight (shared column: sigmoid of its gate, or 1
+                                    // for an ungated shared expert)
     // The wave launch_gpu queues now: GPU experts [wave_begin, wave_end), whose gpu_expert entries are set.
     // Wave 0 also uploads pair_ids / weights and runs the shared expert; later waves hold FETCH experts (split)
     // or STREAM experts, each loaded into slots the wave before freed.
@@ -126,9 +127,15 @@ struct HybridMoeConfig {
 
 /// PRECONDITIONS: one thread (the runtime's); model, store, placement, device and (optional) cache, loader,
 /// engine, predictor, backend outlive it. cache, loader and engine are all set or all null (null: the all-CPU
-/// plan). Nothing allocates after the constructor (but the layer-state dump when asked for).
+/// plan). Nothing allocates after the constructor (but the layer-state dump when asked for). Layers are model
+/// layers; only MoE layers (hp.has_experts: not the leading dense ones) run through it (asserted). The predictor
+/// numbers MoE layers from 0 (offload/predictor.h); run_layer turns its requests into model layers.
 class HybridMoe {
   public:
+    /// max_tokens: the most tokens of one run_layer. shared_on_device: the device runs the model's shared expert
+    /// in wave 0 and the combine adds it as column k (MoeStep::k_comb = k + 1), weighted sigmoid(shared_gate[t])
+    /// when hp.shared_expert_gate (HF Qwen2MoeSparseMoeBlock), else exactly 1 (HF DeepseekV3MoE adds
+    /// shared_experts(x) unscaled); false: the caller adds it (the CPU engine).
     HybridMoe(const Model &model, const ExpertStore &store, const PlacementPlan &placement, ExpertCache *cache,
               ExpertLoader *loader, CopyEngine *engine, Predictor *predictor, MoeDevice &device, Backend *backend,
               const CostModel &cost, const HybridMoeConfig &config, int64_t max_tokens, bool shared_on_device);
@@ -136,9 +143,10 @@ class HybridMoe {
     HybridMoe(const HybridMoe &) = delete;
     HybridMoe &operator=(const HybridMoe &) = delete;
 
-    /// One layer. h: host [r.n_tok][n_embd] F32 router input (the ffn-norm output), valid until the call
-    /// returns; r: the routing (ids, weights) of those tokens; shared_gate: [r.n_tok] shared-expert gate
-    /// logits when the device runs the shared expert, else empty. Queues the combined output on the device.
+    /// One MoE layer (hp.has_experts(layer)). h: host [r.n_tok][n_embd] F32 router input (the ffn-norm output),
+    /// valid until the call returns; r: the routing (ids, weights) of those tokens; shared_gate: [r.n_tok] F32
+    /// shared-expert gate logits when the device runs a gated shared expert, else empty (ignored when the shared
+    /// expert is ungated). Queues the combined output on the device.
     void run_layer(int32_t layer, const float *h, const Routing &r, std::span<const float> shared_gate);
     /// Issue 14: before the layer's routing reaches the host, brings the device's slot table up to date with the
     /// hot-expert table (an entry is set only once its copy is done, cleared once the slot holds another expert
@@ -188,6 +196,7 @@ class HybridMoe {
     Backend *backend_;
     HybridMoeConfig config_;
     bool shared_on_device_;
+    bool shared_gated_;  // shared_on_device_ and hp.shared_expert_gate: its column is weighted sigmoid(gate)
     int64_t max_tokens_;
     std::unique_ptr<LayerPlanner> planner_;  // null without a cache
 

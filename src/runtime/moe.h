@@ -43,7 +43,13 @@ class ExpertExecutor {
     /// x: [r.n_tok][n_embd], the layer's ffn-norm output. out: [r.n_tok][n_embd], overwritten with
     /// sum_j r.weights[t][j] * expert_{r.ids[t][j]}(x[t]), summed in top-k order; an expert is
     /// down(act(gate(x), up(x))) with act SwiGLU or HParams::expert_act, biases added where the model has them.
+    /// Called for the MoE layers only (HParams::has_experts). With adds_shared_expert(), out also holds the
+    /// layer's shared expert, added after the routed sum with Context's weight (below).
     virtual void run(int64_t layer, const float *x, const Routing &r, float *out) = 0;
+    /// True when run() adds the shared expert (hp.shared_expert) itself, as the device half of the hybrid block
+    /// does (HybridMoe's shared_on_device): weighted sigmoid(ffn_gate_inp_shexp . x) with hp.shared_expert_gate,
+    /// else 1. Context then does not add it. False (the default): run() sums the routed experts only.
+    virtual bool adds_shared_expert() const { return false; }
 };
 
 /// The CPU experts of one layer, batched: every expert's gate and up products in one parallel region (one

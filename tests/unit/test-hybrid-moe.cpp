@@ -33,16 +33,20 @@ fs::path model_path(const std::string &arch, const std::string &file) {
 }
 
 // The device half on the fake backend: GPU experts read their slots through the compute stream (so they
-// see exactly the bytes the copies delivered, after the waits the loader queued) and run on the host.
+// see exactly the bytes the copies delivered, after the waits the loader queued) and run on the host. With a
+// shared expert on the device (MoeStep::k_comb = k + 1) wave 0 runs it too and the combine adds its column with
+// the step's weight, so that weight must be the one Context gives it (sigmoid of its gate, or 1 ungated).
 class FakeMoeDevice final : public MoeDevice {
   public:
     FakeMoeDevice(FakeBackend &backend, const ExpertStore &store, const Model &model, int64_t max_tokens)
-        : backend_(backend), store_(store), n_embd_(model.hp().n_embd), n_expert_(model.hp().n_expert),
+        : backend_(backend), store_(store), model_(model), n_embd_(model.hp().n_embd), n_expert_(model.hp().n_expert),
           k_(model.hp().n_expert_used) {
         compute_ = backend.stream_create();
         const size_t pairs = size_t(max_tokens * model.hp().n_expert_used);
         gpu_out_.resize(pairs * size_t(n_embd_));
         cpu_out_.resize(pairs * size_t(n_embd_));
+        shared_out_.resize(size_t(max_tokens * n_embd_));
+        shared_scratch_.resize(size_t(max_tokens * 2 * model.hp().n_ff_shexp));
         table_.assign(size_t(model.hp().n_layer * n_expert_), nullptr);
     }
     ~FakeMoeDevice() override {
@@ -61,6 +65,13 @@ class FakeMoeDevice final : public MoeDevice {
             const int32_t first = s.gpu_offsets[size_t(i)];
             run_expert(s.layer, s.gpu_expert[size_t(i)], &s.gpu_rows[size_t(first)], s.gpu_offsets[size_t(i) + 1] - first,
                        first);
+        }
+        if (s.wave == 0 && s.k_comb > s.k) {
+            // The shared expert over every token, as Context computes it (runtime/context.cpp moe_block).
+            const LayerWeights &l = model_.weights().layers[size_t(s.layer)];
+            cpu_expert_ffn(l.gate_shexp, l.up_shexp, l.down_shexp, 0, x_, s.n_tok, shared_scratch_.data(),
+                           shared_out_.data());
+            ++shared_runs_;
         }
         ++launches_;
         waves_ = std::max(waves_, s.wave + 1);
@@ -90,20 +101,22 @@ class FakeMoeDevice final : public MoeDevice {
     float *cpu_out() override { return cpu_out_.data(); }
     void combine(const MoeStep &s) override {
         if (log) log->push_back("combine");
-        ASSERT_EQ(s.k_comb, s.k);
+        const int64_t routed_pairs = s.n_gpu_pairs + s.n_cpu_pairs;
         for (int64_t t = 0; t < s.n_tok; ++t) {
             float *o = out_ + t * n_embd_;
             std::fill_n(o, n_embd_, 0.0f);
-            for (int64_t j = 0; j < s.k; ++j) {
-                const int64_t p = s.pair_ids[size_t(t * s.k + j)];
-                const float w = s.weights[size_t(t * s.k + j)];
-                const float *y = p < s.n_gpu_pairs ? &gpu_out_[size_t(p * n_embd_)]
-                                                   : &cpu_out_[size_t((p - s.n_gpu_pairs) * n_embd_)];
+            for (int64_t j = 0; j < s.k_comb; ++j) {
+                const int64_t p = s.pair_ids[size_t(t * s.k_comb + j)];
+                const float w = s.weights[size_t(t * s.k_comb + j)];
+                const float *y = p < s.n_gpu_pairs  ? &gpu_out_[size_t(p * n_embd_)]
+                                 : p < routed_pairs ? &cpu_out_[size_t((p - s.n_gpu_pairs) * n_embd_)]
+                                                    : &shared_out_[size_t((p - routed_pairs) * n_embd_)];
                 for (int64_t c = 0; c < n_embd_; ++c) o[c] += w * y[c];
             }
         }
     }
     int launches() const { return launches_; }
+    int shared_runs() const { return shared_runs_; }
     int64_t device_pairs() const { return device_pairs_; }
     int64_t device_hits_tokens = 0;             // device_hits_max_tokens()
     int most_waves() const { return waves_; }  // most launches of one layer
@@ -126,6 +139,7 @@ class FakeMoeDevice final : public MoeDevice {
 
     FakeBackend &backend_;
     const ExpertStore &store_;
+    const Model &model_;
     int64_t n_embd_, n_expert_, k_;
     Stream compute_ = nullptr;
     const float *x_ = nullptr;
@@ -134,23 +148,41 @@ class FakeMoeDevice final : public MoeDevice {
     std::vector<const void *> table_;  // [n_layers * n_experts] the device slot table
     std::vector<uint8_t> slot_copy_;
     std::vector<float> gpu_out_, cpu_out_, xg_, scratch_;
-    int launches_ = 0, waves_ = 0;
+    std::vector<float> shared_out_, shared_scratch_;  // [max_tokens][n_embd], [max_tokens][2 * n_ff_shexp]
+    int launches_ = 0, waves_ = 0, shared_runs_ = 0;
     int64_t device_pairs_ = 0;
 };
 
-// The CPU Context's expert executor, routed through HybridMoe and the fake device.
+// The CPU Context's expert executor, routed through HybridMoe and the fake device. With shared_on_device the
+// device adds the shared expert (Context leaves it out); a gated one's logits are computed here as Context would.
 class HybridExecutor final : public ExpertExecutor {
   public:
-    HybridExecutor(HybridMoe &moe, FakeMoeDevice &device) : moe_(moe), device_(device) {}
+    HybridExecutor(const Model &model, HybridMoe &moe, FakeMoeDevice &device, bool shared_on_device, int64_t max_tokens)
+        : model_(model), moe_(moe), device_(device), shared_(shared_on_device), gate_(size_t(max_tokens)) {}
+    bool adds_shared_expert() const override { return shared_; }
     void run(int64_t layer, const float *x, const Routing &r, float *out) override {
         device_.set_io(x, out, r.ids.data());
         moe_.launch_device_hits(int32_t(layer), r.n_tok);
-        moe_.run_layer(int32_t(layer), x, r, {});
+        std::span<const float> gate;
+        const HParams &hp = model_.hp();
+        if (shared_ && hp.shared_expert_gate) {
+            const float *g = model_.weights().layers[size_t(layer)].gate_inp_shexp;
+            for (int64_t t = 0; t < r.n_tok; ++t) {
+                float dot = 0.0f;
+                for (int64_t c = 0; c < hp.n_embd; ++c) dot += g[c] * x[t * hp.n_embd + c];
+                gate_[size_t(t)] = dot;
+            }
+            gate = std::span<const float>(gate_.data(), size_t(r.n_tok));
+        }
+        moe_.run_layer(int32_t(layer), x, r, gate);
     }
 
   private:
+    const Model &model_;
     HybridMoe &moe_;
     FakeMoeDevice &device_;
+    bool shared_;
+    std::vector<float> gate_;  // [max_tokens] shared-expert gate logits
 };
 
 struct Options {
@@ -164,6 +196,7 @@ struct Options {
     const CostProfile *profile = nullptr;  // null: the H200 reference
     bool balance = true;
     int64_t device_hits_tokens = 0;  // the fake device's device_hits_max_tokens()
+    Predictor *predictor = nullptr;  // instead of the frequency predictor (prefetch_window > 0)
 };
 
 // Everything the offloaded run needs, in construction order.
@@ -180,15 +213,15 @@ struct Rig {
         c.expert_bytes = store.expert_bytes();
         c.policy = o.policy;
         const int32_t per_layer = o.slots_per_layer > 0 ? o.slots_per_layer : c.n_experts;
-        c.budget_bytes = uint64_t(per_layer) * uint64_t(c.n_layers) * ExpertCache::slot_bytes_for(c);
+        c.budget_bytes = uint64_t(per_layer) * uint64_t(hp.n_layer_moe()) * ExpertCache::slot_bytes_for(c);
         cache = std::make_unique<ExpertCache>(c, &backend);
         CopyEngineConfig ec;
         ec.chunk_bytes = 4096;  // several chunks per expert
         engine = std::make_unique<CopyEngine>(backend, ec);
         loader = std::make_unique<ExpertLoader>(backend, *cache, *engine, plan, store.host_experts());
-        if (o.prefetch_window > 0) {
-            predictor = std::make_unique<FrequencyPredictor>(
-                PredictorShape{c.n_layers, c.n_experts, c.top_k}, 1.0, int32_t(max_tokens), o.prefetch_window);
+        if (o.prefetch_window > 0 && !o.predictor) {
+            const PredictorShape shape{int32_t(hp.n_layer_moe()), c.n_experts, c.top_k};  // MoE layers from 0
+            predictor = std::make_unique<FrequencyPredictor>(shape, 1.0, int32_t(max_tokens), o.prefetch_window);
         }
         device = std::make_unique<FakeMoeDevice>(backend, store, model, max_tokens);
         device->device_hits_tokens = o.device_hits_tokens;
@@ -197,11 +230,13 @@ struct Rig {
         hc.planner.stream_min_batch = o.stream_min_batch;
         hc.planner.prefetch_window = o.prefetch_window;
         hc.planner.balance = o.balance;
-        const ExpertShape shape = ExpertShape::of(store.layout(0));
+        const ExpertShape shape = ExpertShape::of(store.layout(int32_t(hp.n_layer_dense)));
         const CostModel cost(o.profile ? *o.profile : CostProfile::h200_reference(), shape, 1, ec.chunk_bytes);
-        moe = std::make_unique<HybridMoe>(model, store, plan, cache.get(), loader.get(), engine.get(), predictor.get(),
-                                          *device, &backend, cost, hc, max_tokens, /*shared_on_device=*/false);
-        executor = std::make_unique<HybridExecutor>(*moe, *device);
+        // Models with a shared expert run it on the device, as GpuContext does.
+        moe = std::make_unique<HybridMoe>(model, store, plan, cache.get(), loader.get(), engine.get(),
+                                          o.predictor ? o.predictor : predictor.get(), *device, &backend, cost, hc,
+                                          max_tokens, hp.shared_expert);
+        executor = std::make_unique<HybridExecutor>(model, *moe, *device, hp.shared_expert, max_tokens);
     }
     ~Rig() {
         moe.reset();
@@ -279,6 +314,11 @@ TEST_P(HybridModels, OffloadedLogitsEqualTheCpuExecutorAtEveryBudget) {
         expect_bitwise_equal(run_tokens(*model, rig.executor.get(), 6), ref);
         EXPECT_GT(rig.device->launches(), 0);
         EXPECT_EQ(rig.store.pin_refused(), !o.allow_pin);
+        EXPECT_EQ(rig.device->shared_runs() > 0, model->hp().shared_expert);
+        for (int32_t l = 0; l < int32_t(model->hp().n_layer_dense); ++l) {
+            EXPECT_EQ(rig.cache->layer_slots(l), 0);
+            EXPECT_EQ(rig.cache->stats(l).accesses() + rig.cache->stats(l).prefetch_loads, 0u);
+        }
     }
 }
 
@@ -308,8 +348,53 @@ TEST_P(HybridModels, DeviceResolvedHitsEqualTheCpuExecutorAtEveryBudget) {
     }
 }
 
-INSTANTIATE_TEST_SUITE_P(TinyModels, HybridModels, ::testing::Values("qwen3moe", "mixtral", "olmoe", "qwen2moe"),
+// deepseekv3 / deepseekv2lite (deepseek2): a leading dense layer and an ungated shared expert (decision 0134).
+INSTANTIATE_TEST_SUITE_P(TinyModels, HybridModels,
+                         ::testing::Values("qwen3moe", "mixtral", "olmoe", "qwen2moe", "deepseekv3", "deepseekv2lite"),
                          arch_name);
+
+namespace {
+
+// Asks for every expert of every layer its window reaches, and records the layer numbering it is given.
+class GreedyPredictor final : public Predictor {
+  public:
+    explicit GreedyPredictor(int32_t n_experts) : n_experts_(n_experts) {}
+    const char *name() const override { return "greedy"; }
+    void predict(const PredictorInput &in, PrefetchList &out) override {
+        seen.emplace_back(in.layer, in.n_layers);
+        for (int32_t l = in.layer + 1; l <= std::min(in.layer + in.window, in.n_layers - 1); ++l) {
+            for (int32_t e = 0; e < n_experts_; ++e) out.push({l, e, 1.0f / float(l - in.layer)});
+        }
+    }
+    std::vector<std::pair<int32_t, int32_t>> seen;  // (layer, n_layers) of each call
+
+  private:
+    int32_t n_experts_;
+};
+
+} // namespace
+
+// Predictors number the MoE layers from 0, as traces do (decision 0134): on deepseek2 (1 dense + 2 MoE layers) the
+// predictor sees MoE layer il - 1 of 2, and its requests reach the cache as model layers with experts (the cache
+// asserts that no prefetch names the dense layer).
+TEST(HybridMoe, PredictorsSeeTheMoeLayersOfAModelWithLeadingDenseLayers) {
+    const auto model = Model::load(model_path("deepseekv3", "tiny-f32.gguf").string());
+    const HParams &hp = model->hp();
+    const std::vector<float> ref = run_tokens(*model, nullptr, 6);
+    GreedyPredictor p(int32_t(hp.n_expert));
+    Options o{int32_t(hp.n_expert_used) + 1, 0, 3};
+    o.predictor = &p;
+    Rig rig(*model, o, kBatch);
+    expect_bitwise_equal(run_tokens(*model, rig.executor.get(), 6), ref);
+    ASSERT_FALSE(p.seen.empty());
+    for (const auto &[layer, n_layers] : p.seen) {
+        EXPECT_EQ(n_layers, hp.n_layer_moe());
+        EXPECT_GE(layer, 0);
+        EXPECT_LT(layer, n_layers - 1);  // the last MoE layer has nothing after it to predict
+    }
+    EXPECT_GT(rig.cache->stats(int32_t(hp.n_layer) - 1).prefetch_loads, 0u);
+    EXPECT_EQ(rig.cache->stats(0).prefetch_loads, 0u);
+}
 
 TEST(HybridMoe, Q8ExpertsThroughSlotsEqualTheCpuExecutor) {
     const auto model = Model::load(model_path("qwen3moe", "tiny-q8_0.gguf").string());
@@ -609,8 +694,8 @@ TEST(ExpertStore, LayersWithoutExpertsAreNeitherRepackedNorPinned) {
         for (int32_t e = 0; e < store.n_experts(); ++e) EXPECT_EQ(store.host_expert(l, e), nullptr);
     }
     EXPECT_EQ(store.pinned_bytes(), uint64_t(hp.n_layer_moe() * hp.n_expert) * moe.bytes);
-    EXPECT_NE(store.describe().find(fmt::format("{} layers x {} experts", hp.n_layer_moe(), hp.n_expert)), std::string::npos)
-        << store.describe();
+    const std::string moe_layers = fmt::format("{} layers x {} experts", hp.n_layer_moe(), hp.n_expert);
+    EXPECT_NE(store.describe().find(moe_layers), std::string::npos) << store.describe();
     EXPECT_NE(store.describe().find("(and 1 dense layer without experts)"), std::string::npos) << store.describe();
 
     ExpertCacheConfig c;

@@ -2,9 +2,12 @@
 // (runtime/routing-replay.h) through the CPU engine, and the engine and predictor factories (runtime/engine.h).
 #include "../common/random-trace.h"
 #include "../common/error-of.h"
+#include "../common/tiny-model.h"
 #include "arch/arch.h"
 #include "core/error.h"
 #include "offload/offload-config.h"
+#include "offload/predictor-baselines.h"
+#include "offload/predictor-llapor.h"
 #include "offload/trace.h"
 #include "runtime/engine.h"
 #include "runtime/routing-replay.h"
@@ -13,9 +16,11 @@
 #endif
 
 #include <unistd.h>
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 
@@ -170,6 +175,61 @@ TEST(RoutingReplay, LayersRunTheTracesExpertsInTokenOrderAndWrap) {
     fs::remove(path);
 }
 
+// A trace holds MoE layers only (decision 0134), so one recorded from a 26-layer qwen3moe-shaped model (64 experts,
+// top-6) replays into a deepseek2 model of 1 dense + 26 MoE layers with those experts: model layer il takes trace
+// layer il - 1, and the dense layer routes nothing. A trace of any other layer count is refused, naming the file
+// and both counts.
+TEST(RoutingReplay, ATraceOfMoeLayersFitsAModelWithLeadingDenseLayers) {
+    test::TinyModelSpec spec;
+    spec.arch = "deepseek2";
+    spec.n_layer = 27;
+    spec.n_layer_dense = 1;
+    spec.n_expert = 64;
+    spec.n_expert_used = 6;
+    spec.n_embd = 16;
+    spec.n_ff = 16;
+    const fs::path gguf = fs::temp_directory_path() / ("prescope-unit-replay-ds-" + std::to_string(getpid()) + ".gguf");
+    test::write_tiny_model(gguf.string(), spec);
+    const auto model = Model::load(gguf.string());
+    const HParams &hp = model->hp();
+    ASSERT_EQ(hp.n_layer_moe(), 26);
+    const int n_tok = 5;
+    const RoutingTrace t = test::random_trace(26, 64, 6, {n_tok}, 9, [](int32_t) { return 0.5f; });
+    const fs::path path =
+        fs::temp_directory_path() / ("prescope-unit-replay-26-" + std::to_string(getpid()) + ".pstrace");
+    write_trace(path.string(), t);
+
+    OffloadConfig c;
+    c.routing_trace = path.string();
+    CpuEngine engine(*model, {32, 8}, c);
+    std::vector<std::vector<int32_t>> seen(size_t(hp.n_layer));
+    engine.context().on_routing = [&](int64_t l, const Routing &r) {
+        seen[size_t(l)].assign(r.ids.begin(), r.ids.begin() + r.n_tok * r.k);
+    };
+    const std::vector<int32_t> prompt{1, 2, 3, 4, 5};
+    engine.eval(prompt);
+    EXPECT_TRUE(seen[0].empty());
+    for (int64_t il = 1; il < hp.n_layer; ++il) {
+        std::vector<int32_t> want;
+        for (int i = 0; i < n_tok; ++i) {
+            const uint8_t *ids = t.ids(i, int32_t(il - 1));
+            want.insert(want.end(), ids, ids + 6);
+        }
+        EXPECT_EQ(seen[size_t(il)], want) << "layer " << il;
+    }
+    EXPECT_EQ(engine.context().n_past(), n_tok);
+
+    const RoutingTrace all = test::random_trace(27, 64, 6, {2}, 9, [](int32_t) { return 0.5f; });
+    write_trace(path.string(), all);
+    const std::string msg = error_of([&] { RoutingReplay r(path.string(), hp); });
+    for (const std::string &part : {path.string(), std::string("the trace routes 27 MoE layers x 64 experts, top-6"),
+                                    std::string("the model has 26 MoE layers (of 27 layers; the first 1 dense)")}) {
+        EXPECT_NE(msg.find(part), std::string::npos) << msg;
+    }
+    fs::remove(path);
+    fs::remove(gguf);
+}
+
 TEST(Engine, GpuSettingsWithoutAUsableGpuAreAClearError) {
     const auto model = tiny();
     OffloadConfig c;
@@ -203,4 +263,40 @@ TEST(Engine, PredictorsByName) {
     c.predictor = "/no/such/predictor.bin";
     EXPECT_NE(error_of([&] { make_predictor(c, *model, 1, nullptr, &oracle); }).find("expected none, frequency"),
               std::string::npos);
+}
+
+// Predictors number the MoE layers from 0 (decision 0134): on deepseek2 their shape has n_layer_moe layers, fate reads
+// the routers of the MoE layers only, and a predictor file trained for another shape is refused.
+TEST(Engine, PredictorsNumberTheMoeLayers) {
+    const auto model = tiny("deepseekv3");
+    const HParams &hp = model->hp();
+    ASSERT_GT(hp.n_layer_dense, 0);
+    OffloadConfig c;
+    c.predictor = "frequency";
+    const auto p = make_predictor(c, *model, 4, nullptr, nullptr);
+    const auto *scoring = dynamic_cast<const ScoringPredictor *>(p.get());
+    ASSERT_NE(scoring, nullptr);
+    EXPECT_EQ(scoring->shape().n_layers, hp.n_layer_moe());
+    const auto routers = FatePredictor::read_routers(*model);
+    ASSERT_EQ(int64_t(routers.size()), hp.n_layer_moe());
+    const TensorView &g = model->weights().layers[size_t(hp.n_layer_dense)].gate_inp;
+    ASSERT_EQ(g.type, DType::F32);
+    EXPECT_EQ(std::memcmp(routers[0].data(), g.data, routers[0].size() * 4), 0);
+    c.predictor = "fate";
+    EXPECT_NE(make_predictor(c, *model, 4, nullptr, nullptr), nullptr);
+
+    LlaporConfig lc;
+    lc.kind = "llapor-lstm";
+    lc.shape = {int32_t(hp.n_layer), int32_t(hp.n_expert), int32_t(hp.n_expert_used)};  // every layer: one too many
+    lc.group_start = {0};
+    lc.hidden = 4;
+    const fs::path f = fs::temp_directory_path() / ("prescope-unit-shape-" + std::to_string(getpid()) + ".pred");
+    save_llapor(f.string(), lc, LlaporLstmNet(lc, 1).params());
+    c.predictor = f.string();
+    const std::string msg = error_of([&] { make_predictor(c, *model, 1, nullptr, nullptr); });
+    EXPECT_NE(msg.find(fmt::format("trained for {} MoE layers x {} experts, top-{}; the model has {} x", hp.n_layer,
+                                   hp.n_expert, hp.n_expert_used, hp.n_layer_moe())),
+              std::string::npos)
+        << msg;
+    fs::remove(f);
 }

@@ -113,6 +113,7 @@ TEST(Trace, ByteLayoutFollowsTheSpec) {
     EXPECT_EQ(h["format_version"], 1);
     EXPECT_EQ(h["gate_weight_scale"], 255);
     EXPECT_EQ(h["n_tokens"], 1);
+    EXPECT_FALSE(h.contains("first_moe_layer"));  // 0: left out, so such traces keep their old bytes
     const std::string body = raw.substr(12 + hlen);
     // token id LE, then per layer: k ids, k weights round(w * 255)
     const std::string want = std::string("\x04\x03\x02\x01", 4) + std::string("\x05\x03", 2) +
@@ -160,6 +161,10 @@ TEST(Trace, RejectsDamagedFiles) {
     write_frame(bad, with_header(h2));
     expect_rejected(bad, "n_prompt");
     h2 = h;
+    h2["first_moe_layer"] = -1;
+    write_frame(bad, with_header(h2));
+    expect_rejected(bad, "first_moe_layer");
+    h2 = h;
     h2.erase("top_k");
     write_frame(bad, with_header(h2));
     expect_rejected(bad, "top_k");
@@ -176,6 +181,27 @@ TEST(Trace, RejectsDamagedFiles) {
     std::ofstream(bad, std::ios::binary) << "plain text, not zstd";
     expect_rejected(bad, "not a valid zstd frame");
     expect_rejected(dir / "missing.pstrace", "cannot open");
+}
+
+// A trace of a model with leading dense layers holds its MoE layers only (decision 0134): the header says where
+// they start; a trace without the field (every trace of an all-MoE model) starts at 0.
+TEST(Trace, FirstMoeLayerRoundTripsAndIsWrittenOnlyWhenNotZero) {
+    const fs::path p = tmp_dir() / "first-moe.pstrace";
+    RoutingTrace t = random_trace(4, 16, 2, {3}, 7);
+    t.first_moe_layer = 3;
+    write_trace(p.string(), t);
+    const std::string raw = raw_of(p);
+    uint32_t hlen = 0;
+    std::memcpy(&hlen, raw.data() + 8, 4);
+    EXPECT_EQ(nlohmann::json::parse(raw.substr(12, hlen))["first_moe_layer"], 3);
+    const RoutingTrace r = read_trace(p.string());
+    EXPECT_EQ(r.first_moe_layer, 3);
+    EXPECT_EQ(r.n_layer, 4);
+    EXPECT_EQ(r.expert_ids, t.expert_ids);
+    EXPECT_EQ(select_sequences(r, std::vector<int64_t>{0}).first_moe_layer, 3);
+    t.first_moe_layer = 0;
+    write_trace(p.string(), t);
+    EXPECT_EQ(read_trace(p.string()).first_moe_layer, 0);
 }
 
 TEST(Trace, HiddenSidecarRoundTripAndChecks) {
@@ -311,4 +337,50 @@ TEST(TraceRecorder, RouterInputsReproduceTheRouting) {
     }
     // int8 quantisation of the router input may swap near-ties only.
     EXPECT_GE(double(agree) / double(total), 0.97);
+}
+
+// deepseek2 (one dense layer, then MoE layers): the recorder keeps model layer il as trace layer il - n_layer_dense,
+// exactly the routing and router inputs the context's hooks see there.
+TEST(TraceRecorder, RecordsTheMoeLayersOfAModelWithLeadingDenseLayers) {
+    const std::string path = std::string(PRESCOPE_SOURCE_DIR) + "/tests/data/models/deepseekv3/tiny-f32.gguf";
+    const auto model = Model::load(path);
+    const HParams &hp = model->hp();
+    ASSERT_GT(hp.n_layer_dense, 0);
+    std::vector<int32_t> tokens;
+    for (int i = 0; i < 9; ++i) tokens.push_back((i * 37 + 11) % int32_t(hp.n_vocab));
+
+    // What the router chooses at each model layer, seen directly.
+    std::vector<std::vector<int32_t>> ids(size_t(hp.n_layer));
+    std::vector<std::vector<float>> x(size_t(hp.n_layer));
+    {
+        Context ctx(*model, {64, 64});
+        ctx.on_routing = [&](int64_t l, const Routing &r) { ids[size_t(l)] = r.ids; };
+        ctx.on_router_input = [&](int64_t l, const float *h, int64_t n) { x[size_t(l)].assign(h, h + n * hp.n_embd); };
+        ctx.eval(tokens);
+    }
+    Context ctx(*model, {64, 64});
+    TraceRecorder rec(ctx, "tiny", "test", true);
+    rec.begin_sequence("a", "test");
+    ctx.eval(tokens);
+    rec.add_tokens(tokens);
+    const RoutingTrace &t = rec.trace();
+    const HiddenTrace &h = rec.hidden();
+    EXPECT_EQ(t.n_layer, hp.n_layer_moe());
+    EXPECT_EQ(t.first_moe_layer, hp.n_layer_dense);
+    EXPECT_EQ(h.n_layer, t.n_layer);
+    ASSERT_EQ(t.n_tokens(), int64_t(tokens.size()));
+    std::vector<float> xq(size_t(hp.n_embd));
+    for (int64_t i = 0; i < t.n_tokens(); ++i) {
+        for (int32_t l = 0; l < t.n_layer; ++l) {
+            const size_t il = size_t(l + hp.n_layer_dense);
+            for (int32_t j = 0; j < t.top_k; ++j) EXPECT_EQ(t.ids(i, l)[j], ids[il][size_t(i * t.top_k + j)]);
+            h.dequantize(i, l, xq.data());
+            for (int64_t c = 0; c < hp.n_embd; ++c) {
+                EXPECT_NEAR(xq[size_t(c)], x[il][size_t(i * hp.n_embd + c)], h.scale[size_t(i * h.n_layer + l)]);
+            }
+        }
+    }
+    const fs::path p = tmp_dir() / "deepseek.pstrace";
+    write_trace(p.string(), t);
+    EXPECT_EQ(read_trace(p.string()).first_moe_layer, hp.n_layer_dense);
 }

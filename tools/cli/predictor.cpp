@@ -143,13 +143,14 @@ void register_train_predictor(CLI::App &app) {
             if (!d.hidden) fail("--kind llapor-mlp-prior trains on hidden states: pass --hidden");
             const RoutingTrace &t = d.part;
             if (!a->routers.empty()) {
-                routers = FatePredictor::read_routers_safetensors(a->routers, t.n_layer, t.n_expert, d.hidden->dim);
+                routers = FatePredictor::read_routers_safetensors(a->routers, t.first_moe_layer, t.n_layer, t.n_expert,
+                                                                  d.hidden->dim);
             } else if (!a->model.empty()) {
                 const auto model = Model::load(a->model);
-                if (model->hp().n_layer != t.n_layer || model->hp().n_expert != t.n_expert ||
+                if (model->hp().n_layer_moe() != t.n_layer || model->hp().n_expert != t.n_expert ||
                     model->hp().n_embd != d.hidden->dim) {
-                    fail("{}: {} layers, {} experts, width {}, but the trace has {} and {} and the sidecar {}",
-                         a->model, model->hp().n_layer, model->hp().n_expert, model->hp().n_embd, t.n_layer,
+                    fail("{}: {} MoE layers, {} experts, width {}, but the trace has {} and {} and the sidecar {}",
+                         a->model, model->hp().n_layer_moe(), model->hp().n_expert, model->hp().n_embd, t.n_layer,
                          t.n_expert, d.hidden->dim);
                 }
                 routers = FatePredictor::read_routers(*model);
@@ -233,16 +234,16 @@ void register_eval_predictor(CLI::App &app) {
         } else if (spec == "fate" && !a->routers.empty()) {
             if (!d.hidden) fail("--predictor fate needs the router inputs: pass --hidden");
             p = std::make_unique<FatePredictor>(shape, d.hidden->dim,
-                                                FatePredictor::read_routers_safetensors(a->routers, t.n_layer,
-                                                                                        t.n_expert, d.hidden->dim));
+                                                FatePredictor::read_routers_safetensors(
+                                                    a->routers, t.first_moe_layer, t.n_layer, t.n_expert, d.hidden->dim));
         } else if (spec == "fate") {
             if (a->model.empty()) {
                 fail("--predictor fate reads the routers: pass -m MODEL.gguf or --routers FILE.safetensors");
             }
             const auto model = Model::load(a->model);
-            if (model->hp().n_layer != t.n_layer || model->hp().n_expert != t.n_expert) {
-                fail("{}: {} layers and {} experts, but the trace has {} and {}", a->model, model->hp().n_layer,
-                     model->hp().n_expert, t.n_layer, t.n_expert);
+            if (model->hp().n_layer_moe() != t.n_layer || model->hp().n_expert != t.n_expert) {
+                fail("{}: {} MoE layers and {} experts, but the trace has {} and {}", a->model,
+                     model->hp().n_layer_moe(), model->hp().n_expert, t.n_layer, t.n_expert);
             }
             p = std::make_unique<FatePredictor>(shape, model->hp().n_embd, FatePredictor::read_routers(*model));
         } else if (spec == "oracle") {

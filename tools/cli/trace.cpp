@@ -127,9 +127,9 @@ void run_trace(const TraceArgs &a) {
         hidden_out->commit();
     }
     trace_out.commit();
-    std::fprintf(stderr, "%s: %lld tokens in %zu sequences, %d layers, %d experts, top-%d\n", a.output.c_str(),
-                 (long long)rec.trace().n_tokens(), rec.trace().sequences.size(), rec.trace().n_layer,
-                 rec.trace().n_expert, rec.trace().top_k);
+    std::fprintf(stderr, "%s: %lld tokens in %zu sequences, %d MoE layers (from model layer %d), %d experts, top-%d\n",
+                 a.output.c_str(), (long long)rec.trace().n_tokens(), rec.trace().sequences.size(),
+                 rec.trace().n_layer, rec.trace().first_moe_layer, rec.trace().n_expert, rec.trace().top_k);
     if (hidden_out) {
         std::fprintf(stderr, "%s: router inputs of %lld tokens, dim %lld\n", a.hidden.c_str(),
                      (long long)rec.hidden().n_tokens(), (long long)rec.hidden().dim);

@@ -149,6 +149,8 @@ def validate_trace_header(path, header):
         if key not in header:
             raise TraceFormatError(f"{path}: header lacks field {key!r}")
     n_layer = _int_field(path, header, "n_layer", 1, 4096)
+    if "first_moe_layer" in header:
+        _int_field(path, header, "first_moe_layer", 0, 4095)
     n_expert = _int_field(path, header, "n_expert", 1, 256)
     top_k = _int_field(path, header, "top_k", 1, n_expert)
     if header.get("gate_weight_scale") != GATE_WEIGHT_SCALE:
@@ -172,9 +174,10 @@ def validate_trace_header(path, header):
 
 
 def write_trace(path, *, model, arch, n_expert, sequences, token_ids, expert_ids, gate_weights=None, gate_q=None,
-                created_by, level=19, threads=0):
+                created_by, first_moe_layer=0, level=19, threads=0):
     """Writes a .pstrace file.
 
+    first_moe_layer: the model layer of trace layer 0 (its leading dense layers); written only when not 0.
     sequences: [{"name", "source", "n_tokens"[, "n_prompt"]}] in body order; token_ids: int [N]; expert_ids: int [N, n_layer, top_k]
     in router order; gate weights either as float [N, n_layer, top_k] (quantised to round(w * 255)) or as gate_q
     uint8. Raises ValueError on inconsistent shapes or ids >= n_expert. Returns the compressed size in bytes.
@@ -201,6 +204,8 @@ def write_trace(path, *, model, arch, n_expert, sequences, token_ids, expert_ids
     header = {"format_version": FORMAT_VERSION, "model": model, "arch": arch, "n_layer": int(n_layer),
               "n_expert": int(n_expert), "top_k": int(top_k), "gate_weight_scale": GATE_WEIGHT_SCALE,
               "sequences": seqs, "n_tokens": int(n), "created_by": created_by}
+    if first_moe_layer:
+        header["first_moe_layer"] = int(first_moe_layer)
     rec = np.empty(n, dtype=record_dtype(n_layer, top_k))
     rec["token"] = token_ids.astype(np.uint32)
     rec["route"][:, :, 0, :] = expert_ids.astype(np.uint8)
@@ -252,7 +257,7 @@ def write_head(src, dst, max_tokens, level=19, threads=0):
     created = f"{h['created_by']}; head of {Path(src).name}: {sl.stop} tokens"
     nbytes = write_trace(dst, model=h["model"], arch=h["arch"], n_expert=t.n_expert, sequences=seqs,
                          token_ids=t.token_ids[sl], expert_ids=t.expert_ids[sl], gate_q=t.gate_q[sl],
-                         created_by=created, level=level, threads=threads)
+                         created_by=created, first_moe_layer=h.get("first_moe_layer", 0), level=level, threads=threads)
     return sl.stop, nbytes
 
 
@@ -360,6 +365,10 @@ def self_check(tmpdir):
             assert what in str(e) and str(q) in str(e), e
         else:
             raise AssertionError(f"damaged trace ({what}) was accepted")
+    assert "first_moe_layer" not in t.header  # 0: left out
+    write_trace(p, model="t", arch="deepseek2", n_expert=n_expert, sequences=seqs, token_ids=tok, expert_ids=ids,
+                gate_weights=w, created_by="self-check", first_moe_layer=1)
+    assert read_trace(p).header["first_moe_layer"] == 1
     q = tmp / "two.pstrace"
     q.write_bytes(p.read_bytes() + p.read_bytes())
     try:
@@ -414,7 +423,8 @@ def main():
                 for s in t.sequences:
                     srcs[s["source"]] = srcs.get(s["source"], 0) + int(s["n_tokens"])
                 print(f"{f}: model {t.header['model']} ({t.header['arch']}), {len(t.token_ids)} tokens in "
-                      f"{len(t.sequences)} sequences, {t.n_layer} layers, {t.n_expert} experts, top-{t.top_k}; "
+                      f"{len(t.sequences)} sequences, {t.n_layer} MoE layers from model layer "
+                      f"{t.header.get('first_moe_layer', 0)}, {t.n_expert} experts, top-{t.top_k}; "
                       f"tokens by source {srcs}")
         except TraceFormatError as e:
             sys.exit(f"error: {e}")
