@@ -568,7 +568,9 @@ void GpuContext::forward_pass(const int32_t *tokens, int64_t n, std::span<const 
     size_t n_ints = size_t(4 * nb);
     if (replay_on_device(n)) {
         // [n_layer][n][k] after the four rows: the experts launch_device_hits resolves at each layer.
-        for (int64_t il = 0; il < hp.n_layer; ++il) replay_->peek_ids(il, n, tok_host_ + replay_ids(il, n));
+        for (int64_t il = hp.n_layer_dense; il < hp.n_layer; ++il) {
+            replay_->peek_ids(il, n, tok_host_ + replay_ids(il, n));
+        }
         n_ints += size_t(hp.n_layer * n * hp.n_expert_used);
     }
     backend_->copy_h2d_async(tok_dev_, tok_host_, n_ints * 4, compute_);
@@ -798,7 +800,7 @@ std::string GpuContext::startup_text() const {
     out += fmt::format("device: {}\n", backend_->info().describe());
     out += fmt::format("model: {} | {} layers, {} experts, top-{} | expert {} | non-expert weights on the GPU {}\n",
                        hp.arch, hp.n_layer, hp.n_expert, hp.n_expert_used,
-                       format_byte_size(store_->layout(0).bytes), format_byte_size(weights_bytes_));
+                       format_byte_size(store_->layout(int32_t(hp.n_layer_dense)).bytes), format_byte_size(weights_bytes_));
     out += fmt::format("GPU memory: weights {} + KV cache and activations {} + MoE buffers {} + expert slots {} | "
                        "host transfers: {}\n",
                        format_byte_size(weights_bytes_), format_byte_size(arena_bytes_),
