@@ -993,6 +993,47 @@ struct GetRowsCase : Case {
     }
 };
 
+/// add_group_bias: each group's bias read from its expert's bytes at bias_offset, added to its pairs' rows; groups
+/// past the last are empty and their pointers unset (null here: a read would fault).
+struct GroupBiasCase : Case {
+    int64_t n, n_groups, n_empty;  // n_empty trailing empty groups
+    std::vector<int32_t> offsets;
+    std::vector<float> y, bias, y_ref;  // bias: [n_groups][bias_at + n] (each group's "expert bytes")
+    static constexpr int64_t bias_at = 64;  // floats before the bias in an expert's bytes
+    DevBuf dy, dbias, dbase, doff;
+    GroupBiasCase(int64_t nn, int64_t ng, int64_t ne) : n(nn), n_groups(ng), n_empty(ne) {}
+    std::string op() const override { return "add_group_bias"; }
+    std::string vars() const override {
+        return strf("n=%lld,n_groups=%lld,empty=%lld", (long long)n, (long long)n_groups, (long long)n_empty);
+    }
+    void init(Rng &rng) override {
+        offsets.assign(1, 0);
+        for (int64_t g = 0; g < n_groups; ++g) {
+            offsets.push_back(offsets.back() + (g < n_groups - n_empty ? 1 + rng.below(5) : 0));
+        }
+        y = rng.floats(size_t(offsets.back() * n)), bias = rng.floats(size_t(n_groups * (bias_at + n)));
+        dy = DevBuf(y), dbias = DevBuf(bias), doff = DevBuf(offsets);
+        std::vector<const void *> base(size_t(n_groups), nullptr);
+        for (int64_t g = 0; g < n_groups - n_empty; ++g) base[size_t(g)] = dbias.as<float>() + g * (bias_at + n);
+        dbase = DevBuf(base);
+    }
+    void reference() override {
+        y_ref = y;
+        for (int64_t g = 0; g < n_groups; ++g)
+            for (int32_t p = offsets[size_t(g)]; p < offsets[size_t(g) + 1]; ++p)
+                for (int64_t i = 0; i < n; ++i) {
+                    y_ref[size_t(p * n + i)] += bias[size_t(g * (bias_at + n) + bias_at + i)];
+                }
+    }
+    void poison() override { dy.upload(y.data()); }
+    void run() override {
+        cu::add_group_bias(dy.as<float>(), n, dbase.as<const void *>(), bias_at * 4, doff.as<int32_t>(), n_groups,
+                           g_stream);
+    }
+    std::vector<Check> compare() override { return {exact("y", dy.download<float>(), y_ref)}; }
+    double bytes() const override { return double(y.size() * 8); }
+};
+
 struct CombineCase : Case {
     int64_t n_tok, k, n_embd;
     bool accumulate;
@@ -1216,6 +1257,8 @@ CaseList test_cases() {
     }
     for (DType t : kBlockTypes) add<GetRowsCase>(l, t, 1000, 512, 6);
     add<CombineCase>(l, 1, 8, 2048, false);
+    add<GroupBiasCase>(l, 32, 8, 0);     // tiny gpt-oss: 8 experts of 32
+    add<GroupBiasCase>(l, 2880, 24, 6);  // gpt-oss-20b's n_embd, device-resolved groups past the last
     add<CombineCase>(l, 64, 8, 2048, true);
     add<CombineCase>(l, 9, 4, 256, false);
     return l;
