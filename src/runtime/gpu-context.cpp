@@ -102,6 +102,11 @@ void GpuContext::init() {
              "to run on the CPU",
              why);
     }
+    if (hp.mla && (hp.kv_lora_rank + hp.head_dim_rope) % 4 != 0) {
+        // Latent rows are written by 16-byte vector stores (matmul outputs, scatter_rows).
+        fail("{}: the GPU runtime needs kv_lora_rank + rope dimensions ({} + {}) to be a multiple of 4",
+             model.file().path(), hp.kv_lora_rank, hp.head_dim_rope);
+    }
     if (hp.n_expert > 1024 || hp.n_expert_used > 32) {
         fail("{}: the GPU router handles at most 1024 experts and top-32; the model has {} experts, top-{}",
              model.file().path(), hp.n_expert, hp.n_expert_used);
@@ -247,7 +252,7 @@ void GpuContext::init() {
             ffn_u_ = c.take<float>(size_t(nb * hp.n_ff));
         }
         k_new_ = params_.n_seq > 1 ? c.take<float>(size_t(nb * n_kv)) : nullptr;
-        v_new_ = params_.n_seq > 1 ? c.take<float>(size_t(nb * n_kv)) : nullptr;
+        v_new_ = params_.n_seq > 1 && !hp.mla ? c.take<float>(size_t(nb * n_kv)) : nullptr;
         router_logits_ = c.take<float>(size_t(nb * E));
         routing_dev_ = c.take<uint8_t>(routing_block(nb).bytes);
         tok_dev_ = c.take<int32_t>(size_t(4 * nb + replay_ints));

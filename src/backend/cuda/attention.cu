@@ -457,7 +457,9 @@ __global__ void __launch_bounds__(kLatThreads) attention_latent_kernel(const Lat
             for (int j = 0; j < nk; ++j) {
                 const float v = ks[j * dkp + d];
 #pragma unroll
-                for (int h = 0; h < kLatHeads; ++h) acc[ci][h] = fmaf(ps[h * kLatKeys + j], v, acc[ci][h]);
+                for (int h = 0; h < kLatHeads; ++h) {  // rows past nh were never scored: not read
+                    acc[ci][h] = fmaf(h < nh ? ps[h * kLatKeys + j] : 0.0f, v, acc[ci][h]);
+                }
             }
         }
     }
