@@ -420,14 +420,8 @@ void GpuContext::upload_weights() {
         }
         fixups.emplace_back(field, it->second);
     };
+    // A matrix, or n_head matrices back to back (MLA's per-head wk_b / wv_b): every byte of the tensor.
     auto matrix = [&](const TensorView &t, DevMatrix &m) {
-        if (t.empty()) return;
-        m.type = t.type;
-        m.n_in = t.ne[0];
-        m.n_out = t.ne[1];
-        place(t.data, t.matrix_bytes(), &m.data);
-    };
-    auto heads = [&](const TensorView &t, DevMatrix &m) {  // [n_head] matrices of ne[0] x ne[1], back to back
         if (t.empty()) return;
         m.type = t.type;
         m.n_in = t.ne[0];
@@ -464,8 +458,8 @@ void GpuContext::upload_weights() {
         matrix(l.wq_a, d.wq_a);
         matrix(l.wq_b, d.wq_b);
         matrix(l.wkv_a_mqa, d.wkv_a);
-        heads(l.wk_b, d.wk_b);
-        heads(l.wv_b, d.wv_b);
+        matrix(l.wk_b, d.wk_b);
+        matrix(l.wv_b, d.wv_b);
         vec(l.q_a_norm, hp.q_lora_rank, d.q_a_norm);
         vec(l.kv_a_norm, hp.kv_lora_rank, d.kv_a_norm);
         matrix(l.ffn_gate, d.ffn_gate);

@@ -60,32 +60,22 @@ void emu_arrive(EmuBarrier &b);
 
 inline void __syncthreads() { emu_arrive(emu_block->sync); }
 inline void __syncwarp(unsigned = 0xffffffffu) { emu_arrive(emu_block->warp[threadIdx.x / 32]); }
-template <class T> T __shfl_xor_sync(unsigned, T v, int o) {
+/// One warp exchange: every lane publishes v and reads lane `src` of its warp's values.
+template <class T> T emu_shfl(T v, unsigned src) {
     static_assert(sizeof(T) <= 8);
-    const unsigned lane = threadIdx.x % 32, base = threadIdx.x - lane;
+    const unsigned base = threadIdx.x - threadIdx.x % 32;
     uint64_t bits = 0;
     std::memcpy(&bits, &v, sizeof(T));
     emu_block->xbuf[threadIdx.x] = bits;
     __syncwarp();
-    const uint64_t got = emu_block->xbuf[base + (lane ^ unsigned(o))];
+    const uint64_t got = emu_block->xbuf[base + src % 32];
     __syncwarp();
     T r;
     std::memcpy(&r, &got, sizeof(T));
     return r;
 }
-template <class T> T __shfl_sync(unsigned, T v, int src_lane) {
-    static_assert(sizeof(T) <= 8);
-    const unsigned lane = threadIdx.x % 32, base = threadIdx.x - lane;
-    uint64_t bits = 0;
-    std::memcpy(&bits, &v, sizeof(T));
-    emu_block->xbuf[threadIdx.x] = bits;
-    __syncwarp();
-    const uint64_t got = emu_block->xbuf[base + unsigned(src_lane) % 32];
-    __syncwarp();
-    T r;
-    std::memcpy(&r, &got, sizeof(T));
-    return r;
-}
+template <class T> T __shfl_xor_sync(unsigned, T v, int o) { return emu_shfl(v, (threadIdx.x % 32) ^ unsigned(o)); }
+template <class T> T __shfl_sync(unsigned, T v, int src_lane) { return emu_shfl(v, unsigned(src_lane)); }
 template <class T> T __ldg(const T *p) { return *p; }
 template <class T> T *emu_dyn_smem() { return reinterpret_cast<T *>(emu_block->smem.data()); }
 
