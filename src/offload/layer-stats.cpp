@@ -30,6 +30,7 @@ constexpr std::array kFields = {
     LayerStatsField{"streamed", "stream", &S::streamed, nullptr, 1},
     LayerStatsField{"stream_waves", nullptr, &S::stream_waves, nullptr, 1},
     LayerStatsField{"device_hits", "dev.hits", &S::device_hits, nullptr, 1},
+    LayerStatsField{"device_layers", "dev.steps", &S::device_layers, nullptr, 1},
     LayerStatsField{"split_steps", "split", &S::split_steps, nullptr, 1},
     LayerStatsField{"cpu_expert_us", "cpu ms", nullptr, &S::cpu_expert_us, kMs},
     LayerStatsField{"predict_us", nullptr, nullptr, &S::predict_us, kMs},

@@ -32,6 +32,8 @@ struct LayerStats {
     uint64_t stream_waves = 0;
     uint64_t device_hits = 0;            // of hits: experts the device resolved from its slot table and ran before
                                          // the host read the routing (issue 14)
+    uint64_t device_layers = 0;          // of steps: every routed expert resident, the device ran the whole step
+                                         // (experts and combine) and the host read the routing later (0138)
     uint64_t split_steps = 0;            // steps whose CPU experts ran before the FETCH wave launched
     double cpu_expert_us = 0;            // host threads running the layer's CPU experts
     double predict_us = 0;               // predictor + prefetch submission

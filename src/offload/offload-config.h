@@ -39,6 +39,8 @@ struct OffloadConfig {
     std::string dump_layer_states;     // write every layer's scheduler state here (JSON lines; schedule-check)
     bool device_hits = true;           // the device runs the resident experts before the host reads the routing
                                        // (decode-sized batches; runtime/hybrid-moe.h launch_device_hits, issue 14)
+    bool device_steps = true;          // with device_hits: a layer whose every expert is resident runs whole on the
+                                       // device, the host reading its routing later (HybridMoe::launch_device, 0138)
 
     /// Keys set through set() (file or flags), in order, with where they came from.
     std::vector<std::pair<std::string, std::string>> given;

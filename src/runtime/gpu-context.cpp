@@ -115,6 +115,9 @@ void GpuContext::init() {
     compute_ = backend_->stream_create();
     routing_ready_ = backend_->event_create();
     logits_ready_ = backend_->event_create();
+    step_ready_.resize(size_t(hp.n_layer));
+    for (Event &e : step_ready_) e = backend_->event_create();
+    device_steps_.reserve(size_t(hp.n_layer));
     cuda::cublas_handle();  // created here, not on the first forward pass
 
     if (!config.routing_trace.empty()) replay_ = std::make_unique<RoutingReplay>(config.routing_trace, hp);
@@ -180,7 +183,7 @@ void GpuContext::init() {
     }
     moe_shape.device_hits_tokens = device_hits_tokens_;
     // With a replayed trace the device resolves the trace's experts: they travel with the pass's tokens.
-    const int64_t replay_ints = replay_ ? L * device_hits_tokens_ * k : 0;
+    const int64_t replay_ints = replay_ ? 2 * L * device_hits_tokens_ * k : 0;
     const uint64_t moe_bytes = CudaMoeDevice::device_bytes_for(moe_shape);
 
     // Workspace: the largest any op of a batch asks for (ops run in stream order and share it).
@@ -303,9 +306,11 @@ void GpuContext::init() {
     backend_->stream_synchronize(compute_);  // the host tables above are locals
 
     // Pinned host mirrors of what crosses the link every layer; pageable when page-locking is refused.
+    step_routing_bytes_ = device_hits_tokens_ > 0 && config.device_steps ? a256(routing_block(device_hits_tokens_).bytes) : 0;
     Carver host_sizing;
     auto carve_host = [&](Carver &c) {
         routing_host_ = c.take<uint8_t>(routing_block(nb).bytes);
+        step_routing_host_ = c.take<uint8_t>(size_t(L) * step_routing_bytes_);
         tok_host_ = c.take<int32_t>(size_t(4 * nb + replay_ints));
         logits_host_ = c.take<float>(size_t(kLogitRows * hp.n_vocab));
     };
@@ -335,7 +340,17 @@ void GpuContext::init() {
     store_ = std::make_unique<ExpertStore>(model, backend_.get(), sc);
     cc.expert_bytes = store_->expert_bytes();
     cache_ = std::make_unique<ExpertCache>(cc, backend_.get());
-    engine_ = std::make_unique<CopyEngine>(*backend_, config.copy);
+    bool holds_all = config.placement.empty() && hp.n_layer_moe() > 0;
+    for (int32_t l = int32_t(hp.n_layer_dense); l < L; ++l) holds_all = holds_all && cache_->layer_slots(l) >= E;
+    if (holds_all) {
+        // A budget that holds every expert loads them all at start-up, as llama.cpp -ngl 99 does (decision 0139):
+        // every layer then runs whole on the device from the first step.
+        plan_ = PlacementPlan::uniform(L, E, {HomeTier::GPU, ExecSite::AUTO});
+    }
+    CopyEngineConfig copy = config.copy;
+    // load_fixed queues every fixed expert at once: room for all of them besides the usual requests.
+    if (holds_all) copy.max_requests += L * E;
+    engine_ = std::make_unique<CopyEngine>(*backend_, copy);
     loader_ = std::make_unique<ExpertLoader>(*backend_, *cache_, *engine_, plan_, store_->host_experts());
     loader_->load_fixed();
     const int32_t predict_tokens = int32_t(std::min<int64_t>(config.predict_max_tokens, nb));
@@ -381,6 +396,7 @@ void GpuContext::release() noexcept {
         if (weights_dev_) backend_->free(MemoryKind::DEVICE, weights_dev_);
         if (routing_ready_) backend_->event_destroy(routing_ready_);
         if (logits_ready_) backend_->event_destroy(logits_ready_);
+        for (Event e : step_ready_) backend_->event_destroy(e);
         if (compute_) backend_->stream_destroy(compute_);
     } catch (const Error &e) {
         spdlog::error("while releasing the GPU runtime: {}", e.what());  // a dead device: nothing more to do
@@ -390,6 +406,10 @@ void GpuContext::release() noexcept {
 
 int64_t GpuContext::replay_ids(int64_t layer, int64_t n_tok) const {
     return 4 * params_.n_batch + layer * n_tok * model_.hp().n_expert_used;
+}
+
+int64_t GpuContext::replay_weights(int64_t layer, int64_t n_tok) const {
+    return replay_ids(model_.hp().n_layer + layer, n_tok);
 }
 
 GpuContext::RoutingBlock GpuContext::routing_block(int64_t n_tok) const {
@@ -569,8 +589,9 @@ void GpuContext::forward_pass(const int32_t *tokens, int64_t n, std::span<const 
         // [n_layer][n][k] after the four rows: the experts launch_device_hits resolves at each layer.
         for (int64_t il = hp.n_layer_dense; il < hp.n_layer; ++il) {
             replay_->peek_ids(il, n, tok_host_ + replay_ids(il, n));
+            replay_->peek_weights(il, n, reinterpret_cast<float *>(tok_host_ + replay_weights(il, n)));
         }
-        n_ints += size_t(hp.n_layer * n * hp.n_expert_used);
+        n_ints += size_t(2 * hp.n_layer * n * hp.n_expert_used);
     }
     backend_->copy_h2d_async(tok_dev_, tok_host_, n_ints * 4, compute_);
     cuda::get_rows(tok_embd_.type, tok_embd_.data, hp.n_embd, hp.n_vocab, tok_dev_, n, x_, stream());
@@ -588,6 +609,7 @@ void GpuContext::forward_pass(const int32_t *tokens, int64_t n, std::span<const 
     }
     for (const SeqRun &r : runs) n_past_[size_t(r.seq)] = r.pos0 + r.n;
     if (n_rows > 0) output_head(n_rows, logits_out);
+    account_device_steps(true);  // none pending between passes
 }
 
 void GpuContext::attention_block(int64_t il, int64_t n, std::span<const SeqRun> runs) {
@@ -729,6 +751,7 @@ void GpuContext::moe_block(int64_t il, int64_t n) {
     const int64_t k = hp.n_expert_used;
     const RoutingBlock b = routing_block(n);
     auto *h = reinterpret_cast<float *>(routing_dev_ + b.h);
+    const uint8_t *host_block = nullptr;
 
     {
         const NvtxRange range("router and routing copy");
@@ -742,35 +765,76 @@ void GpuContext::moe_block(int64_t il, int64_t n) {
         if (hp.shared_expert_gate) {
             matmul(l.gate_inp_shexp, h, n, reinterpret_cast<float *>(routing_dev_ + b.shared_gate));
         }
-        // The one device-to-host copy and the one wait of the layer: routing, router input, shared gate. The
-        // device meanwhile runs the routed experts it holds (issue 14), resolved from the routing it has: the
-        // router's, or the replayed trace's.
-        backend_->copy_d2h_async(routing_host_, routing_dev_, b.bytes, compute_);
-        backend_->event_record(routing_ready_, compute_);
-        const auto *ids_dev = reinterpret_cast<const int32_t *>(routing_dev_ + b.ids);
-        moe_device_->set_layer(h, replay_on_device(n) ? tok_dev_ + replay_ids(il, n) : ids_dev, tmp_);
-        if (!routing_override) moe_->launch_device_hits(int32_t(il), n);
+        // The one device-to-host copy of the layer: routing, router input, shared gate; a decode-sized pass's
+        // goes to the layer's own block, where it may wait to be read (below). Then the device runs the routed
+        // experts it holds (issue 14), resolved from the routing it has (the router's or the replayed trace's),
+        // while the host waits for the copy; a layer whose every expert it holds it runs whole (decision 0138),
+        // and the host reads that routing later.
+        const bool own_block = step_routing_bytes_ > 0 && n <= device_hits_tokens_;
+        uint8_t *block = own_block ? step_routing_host_ + size_t(il) * step_routing_bytes_ : routing_host_;
+        host_block = block;
+        const Event copied = own_block ? step_ready_[size_t(il)] : routing_ready_;
+        backend_->copy_d2h_async(block, routing_dev_, b.bytes, compute_);
+        backend_->event_record(copied, compute_);
+        const bool replayed = replay_on_device(n);
+        moe_device_->set_layer(
+            h, replayed ? tok_dev_ + replay_ids(il, n) : reinterpret_cast<const int32_t *>(routing_dev_ + b.ids),
+            replayed ? reinterpret_cast<const float *>(tok_dev_ + replay_weights(il, n))
+                     : reinterpret_cast<const float *>(routing_dev_ + b.weights),
+            tmp_);
+        const DeviceLaunch launched =
+            routing_override ? DeviceLaunch::NONE : moe_->launch_device(int32_t(il), n, own_block);
+        if (launched == DeviceLaunch::LAYER) {
+            device_steps_.emplace_back(int32_t(il), n);
+            cuda::add(x_, tmp_, x_, n * hp.n_embd, stream());
+            account_device_steps(false);  // those already copied, while the device works
+            return;
+        }
         moe_->mark_routing_copied(int32_t(il), compute_);
-        backend_->event_synchronize(routing_ready_);
+        backend_->event_synchronize(copied);
     }
+    account_device_steps(true);  // copied before this layer's routing: their accounting comes first
 
+    read_routing(il, n, host_block);
+    const auto *h_host = reinterpret_cast<const float *>(host_block + b.h);
+    const std::span<const float> shared_gate =
+        hp.shared_expert_gate ? std::span<const float>(reinterpret_cast<const float *>(host_block + b.shared_gate),
+                                                       size_t(n))
+                              : std::span<const float>();
+    const NvtxRange range("moe: plan, copies, GPU experts, prefetch, CPU experts, combine");
+    moe_->run_layer(int32_t(il), h_host, routing_, shared_gate);
+    cuda::add(x_, tmp_, x_, n * hp.n_embd, stream());
+}
+
+void GpuContext::read_routing(int64_t il, int64_t n, const uint8_t *block) {
+    const RoutingBlock b = routing_block(n);
+    const int64_t k = model_.hp().n_expert_used;
     routing_.n_tok = n;
     routing_.k = k;
     routing_.ids.resize(size_t(n * k));
     routing_.weights.resize(size_t(n * k));
-    std::memcpy(routing_.ids.data(), routing_host_ + b.ids, size_t(n * k) * 4);
-    std::memcpy(routing_.weights.data(), routing_host_ + b.weights, size_t(n * k) * 4);
+    std::memcpy(routing_.ids.data(), block + b.ids, size_t(n * k) * 4);
+    std::memcpy(routing_.weights.data(), block + b.weights, size_t(n * k) * 4);
     if (replay_) replay_->apply(il, routing_);
     if (routing_override) routing_override(il, routing_);
     if (on_routing) on_routing(il, routing_);
-    const auto *h_host = reinterpret_cast<const float *>(routing_host_ + b.h);
-    const std::span<const float> shared_gate =
-        hp.shared_expert_gate ? std::span<const float>(reinterpret_cast<const float *>(routing_host_ + b.shared_gate),
-                                                  size_t(n))
-                         : std::span<const float>();
-    const NvtxRange range("moe: plan, copies, GPU experts, prefetch, CPU experts, combine");
-    moe_->run_layer(int32_t(il), h_host, routing_, shared_gate);
-    cuda::add(x_, tmp_, x_, n * hp.n_embd, stream());
+}
+
+void GpuContext::account_device_steps(bool wait) {
+    for (; device_steps_done_ < device_steps_.size(); ++device_steps_done_) {
+        const auto [il, n] = device_steps_[device_steps_done_];
+        const Event copied = step_ready_[size_t(il)];
+        if (wait) {
+            backend_->event_synchronize(copied);
+        } else if (!backend_->event_query(copied)) {
+            return;
+        }
+        const uint8_t *block = step_routing_host_ + size_t(il) * step_routing_bytes_;
+        read_routing(il, n, block);
+        moe_->account_device_layer(il, reinterpret_cast<const float *>(block + routing_block(n).h), routing_);
+    }
+    device_steps_.clear();
+    device_steps_done_ = 0;
 }
 
 void GpuContext::output_head(int64_t n_rows, float *logits_out) {
@@ -785,6 +849,7 @@ void GpuContext::output_head(int64_t n_rows, float *logits_out) {
         matmul(output_, hb_, m, logits_dev_);
         backend_->copy_d2h_async(logits_host_, logits_dev_, size_t(m * hp.n_vocab) * 4, compute_);
         backend_->event_record(logits_ready_, compute_);
+        account_device_steps(true);  // while the head runs
         backend_->event_synchronize(logits_ready_);
         std::memcpy(logits_out + r0 * hp.n_vocab, logits_host_, size_t(m * hp.n_vocab) * 4);
     }

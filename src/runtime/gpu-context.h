@@ -80,8 +80,16 @@ class GpuContext final : public Engine {
     void init();
     void release() noexcept;
     RoutingBlock routing_block(int64_t n_tok) const;
-    /// Offset in tok_dev_ / tok_host_ (int32 elements) of the replayed experts of `layer` for a pass of n_tok.
+    /// Offset in tok_dev_ / tok_host_ (4-byte elements) of the replayed experts of `layer` for a pass of n_tok,
+    /// and of their F32 weights.
     int64_t replay_ids(int64_t layer, int64_t n_tok) const;
+    int64_t replay_weights(int64_t layer, int64_t n_tok) const;
+    /// The host's part of the MoE steps the device ran whole (HybridMoe::launch_device), in layer order: each
+    /// one's routing, copied to its own host block, goes through the replay and the hooks to
+    /// HybridMoe::account_device_layer. wait: block for each copy; else stop at the first not yet done.
+    void account_device_steps(bool wait);
+    /// routing_ from a routing block on the host (n tokens), then the replay and the hooks.
+    void read_routing(int64_t il, int64_t n, const uint8_t *block);
     /// A pass of n_tok tokens replays a trace and takes the device-resolved hit path: the trace's experts go up
     /// with the tokens (replay_ids) and the device resolves those.
     bool replay_on_device(int64_t n_tok) const { return replay_ && n_tok <= device_hits_tokens_; }
@@ -113,6 +121,7 @@ class GpuContext final : public Engine {
     Stream compute_ = nullptr;
     Event routing_ready_ = nullptr;  // recorded after each layer's routing copy to the host
     Event logits_ready_ = nullptr;
+    std::vector<Event> step_ready_;  // [n_layer] recorded after a whole device step's routing copy
 
     // Device memory: one block for the non-expert weights, one for everything else.
     void *weights_dev_ = nullptr;
@@ -145,6 +154,7 @@ class GpuContext final : public Engine {
     float *v_new_ = nullptr;     //   scatter into their sequences' cache rows (one run writes its rows directly)
     int32_t *tok_dev_ = nullptr;   // [4][n_batch]: token ids, positions, KV cache rows, rows whose logits are wanted;
                                    // then, replaying a trace, [n_layer][n][top_k] its experts (replay_ids)
+                                   // and their weights (F32, replay_weights)
     float *logits_dev_ = nullptr;  // [kLogitRows][n_vocab]
     cuda::Workspace ws_;
     // Pinned host mirrors.
@@ -152,6 +162,11 @@ class GpuContext final : public Engine {
     std::unique_ptr<uint8_t[]> pageable_;    // then the mirrors live here
     uint64_t pinned_bytes_ = 0;
     uint8_t *routing_host_ = nullptr;
+    uint8_t *step_routing_host_ = nullptr;  // [n_layer] RoutingBlocks of device_hits_tokens_: whole device steps
+    size_t step_routing_bytes_ = 0;         // one of them
+    // Whole device steps whose accounting is pending, in layer order: (layer, tokens). Empty between passes.
+    std::vector<std::pair<int32_t, int64_t>> device_steps_;
+    size_t device_steps_done_ = 0;          // of device_steps_, accounted
     int32_t *tok_host_ = nullptr;
     float *logits_host_ = nullptr;   // [kLogitRows][n_vocab]
     Routing routing_;

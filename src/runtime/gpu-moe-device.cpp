@@ -57,6 +57,8 @@ void carve_device(const CudaMoeDevice::Shape &s, Take &&take) {
         take(7, size_t(3 * s.n_experts) * sizeof(void *));
         take(8, size_t(s.n_experts + 1) * 4);
         take(9, size_t(s.device_hits_tokens * s.top_k) * 4);
+        take(10, size_t(s.device_hits_tokens * (s.top_k + 1)) * 4);
+        take(11, size_t(s.device_hits_tokens * (s.top_k + 1)) * 4);
     }
 }
 
@@ -90,6 +92,8 @@ CudaMoeDevice::CudaMoeDevice(CudaBackend &backend, Stream compute, const ExpertS
         case 7: hit_w_dev_ = reinterpret_cast<const void **>(p); break;
         case 8: hit_offsets_dev_ = reinterpret_cast<int32_t *>(p); break;
         case 9: hit_rows_dev_ = reinterpret_cast<int32_t *>(p); break;
+        case 10: step_pair_ids_dev_ = reinterpret_cast<int32_t *>(p); break;
+        case 11: step_weights_dev_ = reinterpret_cast<float *>(p); break;
         }
     });
     if (table_dev_) {
@@ -135,8 +139,6 @@ void CudaMoeDevice::matmul(const GpuMatrix &w, const float *x, int64_t n_tok, fl
 
 void CudaMoeDevice::launch_gpu(const MoeStep &s) {
     const ExpertLayout &x = store_.layout(s.layer);
-    const int64_t n_embd = shape_.n_embd;
-    const cudaStream_t st = stream();
     PRESCOPE_ASSERT(h_dev_ && out_dev_);
     // Pack the wave's arrays into the pinned mirror; one host-to-device copy moves them. The waves of a layer
     // fill consecutive parts of it (an earlier wave's copy may not have run yet); wave 0 starts over, since
@@ -195,20 +197,39 @@ void CudaMoeDevice::launch_gpu(const MoeStep &s) {
                             {gate_w, up_w, down_w}};
         expert_ffn(x, g, w, pair0, n_pairs);
     }
-    if (s.wave == 0 && s.k_comb > s.k) {
-        const GpuSharedExpert &l = shared_[size_t(s.layer)];
-        const cuda::MatmulPart gate_up[2] = {{l.gate.type, l.gate.data, l.gate.n_out, sh_gate_},
-                                             {l.up.type, l.up.data, l.up.n_out, sh_up_}};
-        cuda::matmul_parts(gate_up, l.gate.n_in, h_dev_, s.n_tok, ws_, st);
-        cuda::swiglu(sh_gate_, sh_up_, sh_gate_, s.n_tok * shape_.n_ff_shexp, st);
-        matmul(l.down, sh_gate_, s.n_tok, pairs_ + (s.n_gpu_pairs + s.n_cpu_pairs) * n_embd);
-    }
+    if (s.wave == 0 && s.k_comb > s.k) shared_expert(s.layer, s.n_tok, s.n_gpu_pairs + s.n_cpu_pairs);
+}
+
+void CudaMoeDevice::shared_expert(int32_t layer, int64_t n_tok, int64_t row0) {
+    const GpuSharedExpert &l = shared_[size_t(layer)];
+    const cudaStream_t st = stream();
+    const cuda::MatmulPart gate_up[2] = {{l.gate.type, l.gate.data, l.gate.n_out, sh_gate_},
+                                         {l.up.type, l.up.data, l.up.n_out, sh_up_}};
+    cuda::matmul_parts(gate_up, l.gate.n_in, h_dev_, n_tok, ws_, st);
+    cuda::swiglu(sh_gate_, sh_up_, sh_gate_, n_tok * shape_.n_ff_shexp, st);
+    matmul(l.down, sh_gate_, n_tok, pairs_ + row0 * shape_.n_embd);
 }
 
 void CudaMoeDevice::launch_device_hits(int32_t layer, int64_t n_tok, std::span<const int32_t> index,
                                       std::span<const void *const> data) {
+    resolve_and_run(layer, n_tok, index, data, false);
+}
+
+void CudaMoeDevice::launch_device_layer(int32_t layer, int64_t n_tok, std::span<const int32_t> index,
+                                       std::span<const void *const> data) {
+    PRESCOPE_ASSERT(n_tok >= 1 && out_dev_);
+    resolve_and_run(layer, n_tok, index, data, true);
+    const bool shared = shape_.n_ff_shexp > 0;
+    if (shared) shared_expert(layer, n_tok, n_tok * shape_.top_k);
+    cuda::moe_combine(pairs_, step_pair_ids_dev_, step_weights_dev_, n_tok, shape_.top_k + shared, shape_.n_embd, false,
+                      out_dev_, stream());
+}
+
+void CudaMoeDevice::resolve_and_run(int32_t layer, int64_t n_tok, std::span<const int32_t> index,
+                                    std::span<const void *const> data, bool whole) {
     PRESCOPE_ASSERT(table_dev_ && n_tok >= 0 && n_tok <= shape_.device_hits_tokens && index.size() == data.size());
     PRESCOPE_ASSERT(n_tok == 0 || (h_dev_ && ids_dev_));
+    PRESCOPE_ASSERT(!whole || routing_weights_dev_);
     const ExpertLayout &x = store_.layout(layer);
     const cudaStream_t st = stream();
     const int64_t E = shape_.n_experts, n_pairs = n_tok * shape_.top_k;
@@ -226,6 +247,12 @@ void CudaMoeDevice::launch_device_hits(int32_t layer, int64_t n_tok, std::span<c
     a.down_w = hit_w_dev_ + 2 * E;
     a.offsets = hit_offsets_dev_;
     a.rows = hit_rows_dev_;
+    if (whole) {
+        a.weights_in = routing_weights_dev_;
+        a.pair_ids = step_pair_ids_dev_;
+        a.weights = step_weights_dev_;
+        a.k_comb = shape_.top_k + (shape_.n_ff_shexp > 0);
+    }
     cuda::resolve_device_hits(a, index.data(), data.data(), int64_t(index.size()), st);
     if (n_tok == 0) return;
 

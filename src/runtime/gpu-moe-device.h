@@ -54,11 +54,13 @@ class CudaMoeDevice final : public MoeDevice {
     CudaMoeDevice(const CudaMoeDevice &) = delete;
     CudaMoeDevice &operator=(const CudaMoeDevice &) = delete;
 
-    /// The running layer's router input [n_tok][n_embd], its routed experts [n_tok][top_k] (read by
-    /// launch_device_hits) and where combine writes [n_tok][n_embd], on the device.
-    void set_layer(const float *h_dev, const int32_t *ids_dev, float *out_dev) {
+    /// The running layer's router input [n_tok][n_embd], its routed experts and their weights [n_tok][top_k]
+    /// (read by launch_device_hits and launch_device_layer) and where combine writes [n_tok][n_embd], on the
+    /// device.
+    void set_layer(const float *h_dev, const int32_t *ids_dev, const float *weights_dev, float *out_dev) {
         h_dev_ = h_dev;
         ids_dev_ = ids_dev;
+        routing_weights_dev_ = weights_dev;
         out_dev_ = out_dev;
     }
     uint64_t device_bytes() const { return device_bytes_; }
@@ -72,8 +74,16 @@ class CudaMoeDevice final : public MoeDevice {
     int64_t device_hits_max_tokens() const override { return shape_.device_hits_tokens; }
     void launch_device_hits(int32_t layer, int64_t n_tok, std::span<const int32_t> index,
                             std::span<const void *const> data) override;
+    void launch_device_layer(int32_t layer, int64_t n_tok, std::span<const int32_t> index,
+                             std::span<const void *const> data) override;
 
   private:
+    /// The table updates, then the routed experts the table holds (whole: every one, and the combine's pair ids
+    /// and weights into step_pair_ids_dev_ / step_weights_dev_) into pair rows [0, n_tok * top_k).
+    void resolve_and_run(int32_t layer, int64_t n_tok, std::span<const int32_t> index, std::span<const void *const> data,
+                         bool whole);
+    /// The layer's shared expert over the router input's n_tok rows into pair rows [row0, row0 + n_tok).
+    void shared_expert(int32_t layer, int64_t n_tok, int64_t row0);
     void matmul(const GpuMatrix &w, const float *x, int64_t n_tok, float *y);
     /// Each expert's gate, up and down matrices: device lists and their host copies (all null for groups the
     /// device resolved itself, cuda::ExpertMatmul's device-resolved mode).
@@ -117,6 +127,9 @@ class CudaMoeDevice final : public MoeDevice {
     int32_t *hit_rows_dev_ = nullptr;                       // [device_hits_tokens * top_k]
     const int32_t *pair_ids_dev_ = nullptr;
     const float *weights_dev_ = nullptr;
+    const float *routing_weights_dev_ = nullptr;
+    int32_t *step_pair_ids_dev_ = nullptr;  // [device_hits_tokens][top_k + 1] a whole step's combine arrays
+    float *step_weights_dev_ = nullptr;     // [device_hits_tokens][top_k + 1]
 };
 
 } // namespace prescope

@@ -42,6 +42,10 @@ void MoeDevice::launch_device_hits(int32_t, int64_t, std::span<const int32_t>, s
     PRESCOPE_ASSERT(!"launch_device_hits on a device whose device_hits_max_tokens() is 0");
 }
 
+void MoeDevice::launch_device_layer(int32_t, int64_t, std::span<const int32_t>, std::span<const void *const>) {
+    PRESCOPE_ASSERT(!"launch_device_layer on a device whose device_hits_max_tokens() is 0");
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // the host device (all-CPU plan)
 
@@ -122,6 +126,7 @@ HybridMoe::HybridMoe(const Model &model, const ExpertStore &store, const Placeme
     if (cache_) {
         table_slot_.assign(size_t(hp.n_layer) * E, -1);
         done_ticket_.assign(size_t(cache_->n_slots()), Ticket{});
+        device_layer_.assign(size_t(hp.n_layer), 0);
         update_index_.reserve(E);
         update_data_.reserve(E);
     }
@@ -248,7 +253,7 @@ void HybridMoe::build_step(const Routing &r, std::span<const float> shared_gate)
 }
 
 bool HybridMoe::device_hit(const RoutedExpert &x) const {
-    if (device_hits_layer_ != step_.layer) return false;
+    if (!step_on_device_ && device_hits_layer_ != step_.layer) return false;
     const int32_t slot = table_slot_[size_t(step_.layer) * size_t(model_.hp().n_expert) + size_t(x.expert)];
     if (slot < 0) return false;
     // The device ran it from this slot; the plan must agree (a resident expert is always a hit).
@@ -256,13 +261,11 @@ bool HybridMoe::device_hit(const RoutedExpert &x) const {
     return true;
 }
 
-bool HybridMoe::launch_device_hits(int32_t layer, int64_t n_tok) {
-    PRESCOPE_ASSERT(model_.hp().has_experts(layer));  // dense layers have no routing, slots or table row
-    device_hits_layer_ = -1;
-    if (!cache_ || n_tok <= 0 || n_tok > std::min(max_tokens_, device_.device_hits_max_tokens())) return false;
+int32_t HybridMoe::update_table(int32_t layer) {
     const auto E = size_t(model_.hp().n_expert);
     update_index_.clear();
     update_data_.clear();
+    int32_t held = 0;
     for (size_t e = 0; e < E; ++e) {
         int32_t slot = cache_->find(layer, int32_t(e));
         if (slot >= 0) {
@@ -275,15 +278,42 @@ bool HybridMoe::launch_device_hits(int32_t layer, int64_t n_tok) {
                 else slot = -1;
             }
         }
+        held += slot >= 0;
         const size_t i = size_t(layer) * E + e;
         if (slot == table_slot_[i]) continue;
         table_slot_[i] = slot;
         update_index_.push_back(int32_t(i));
         update_data_.push_back(slot >= 0 ? cache_->slot_data(slot) : nullptr);
     }
+    return held;
+}
+
+bool HybridMoe::launch_device_hits(int32_t layer, int64_t n_tok) {
+    return launch_device(layer, n_tok, false) == DeviceLaunch::HITS;
+}
+
+DeviceLaunch HybridMoe::launch_device(int32_t layer, int64_t n_tok, bool whole_steps) {
+    PRESCOPE_ASSERT(model_.hp().has_experts(layer));  // dense layers have no routing, slots or table row
+    PRESCOPE_ASSERT(device_layer_.empty() || !device_layer_[size_t(layer)]);  // its last step was accounted
+    device_hits_layer_ = -1;
+    if (!cache_ || n_tok <= 0 || n_tok > std::min(max_tokens_, device_.device_hits_max_tokens())) {
+        return DeviceLaunch::NONE;
+    }
+    const int32_t held = update_table(layer);
+    if (whole_steps && !shared_gated_ && held == int32_t(model_.hp().n_expert)) {
+        device_.launch_device_layer(layer, n_tok, update_index_, update_data_);
+        device_layer_[size_t(layer)] = 1;
+        return DeviceLaunch::LAYER;
+    }
     device_.launch_device_hits(layer, n_tok, update_index_, update_data_);
     device_hits_layer_ = layer;
-    return true;
+    return DeviceLaunch::HITS;
+}
+
+void HybridMoe::account_device_layer(int32_t layer, const float *h, const Routing &r) {
+    PRESCOPE_ASSERT(device_layer_[size_t(layer)]);
+    device_layer_[size_t(layer)] = 0;
+    run_step(layer, h, r, {}, true);
 }
 
 void HybridMoe::launch(int32_t wave, int32_t begin, int32_t end) {
@@ -407,10 +437,18 @@ void HybridMoe::mark_routing_copied(int32_t layer, Stream stream) {
 }
 
 void HybridMoe::run_layer(int32_t layer, const float *h, const Routing &r, std::span<const float> shared_gate) {
+    PRESCOPE_ASSERT(device_layer_.empty() || !device_layer_[size_t(layer)]);
+    run_step(layer, h, r, shared_gate, false);
+}
+
+void HybridMoe::run_step(int32_t layer, const float *h, const Routing &r, std::span<const float> shared_gate,
+                         bool on_device) {
     PRESCOPE_ASSERT(model_.hp().has_experts(layer));
     PRESCOPE_ASSERT(r.n_tok > 0 && r.n_tok <= max_tokens_ && r.k == model_.hp().n_expert_used);
     PRESCOPE_ASSERT(!shared_gated_ || shared_gate.size() >= size_t(r.n_tok));
-    PRESCOPE_ASSERT(device_hits_layer_ < 0 || device_hits_layer_ == layer);
+    // An accounted device step comes between another layer's launch_device_hits and its run_layer.
+    PRESCOPE_ASSERT(on_device || device_hits_layer_ < 0 || device_hits_layer_ == layer);
+    step_on_device_ = on_device;
     step_layer_ = layer;
     last_step_ = -1;
     layer_t0_us_ = now_us();
@@ -444,15 +482,19 @@ void HybridMoe::run_layer(int32_t layer, const float *h, const Routing &r, std::
     build_step(r, shared_gate);
 
     const Stream cs = device_.compute_stream();
-    const bool timed = !timing_pending_.empty() && !timing_pending_[size_t(layer)];
+    // A step the device ran whole: every routed expert a hit it computed (a resident expert is always a HIT).
+    PRESCOPE_ASSERT(!on_device || (n_device_ == step_.n_gpu && step_.n_cpu == 0));
+    const bool timed = !on_device && !timing_pending_.empty() && !timing_pending_[size_t(layer)];
     if (timed) backend_->event_record(stall_begin_[size_t(layer)], cs);
-    if (loader_ && n_wave0_ > 0) {
+    if (loader_ && n_wave0_ > 0 && !on_device) {
         step(LayerStep::WAIT_WAVE0);
         stats(layer)->wait_issue_us += loader_->wait_experts(d, cs, true, !plan_.split);
     }
     if (timed) backend_->event_record(stall_end_[size_t(layer)], cs);
-    step(LayerStep::LAUNCH_WAVE0);
-    launch(0, n_device_, n_wave0_);
+    if (!on_device) {
+        step(LayerStep::LAUNCH_WAVE0);
+        launch(0, n_device_, n_wave0_);
+    }
     if (planner_ && !predicted) {
         step(LayerStep::PREDICT_AFTER_LAUNCH);
         predict(layer, h, r);
@@ -497,13 +539,17 @@ void HybridMoe::run_layer(int32_t layer, const float *h, const Routing &r, std::
         if (streaming) begin_wave(step_.wave_end);
     }
     if (timed) backend_->event_record(gpu_done_[size_t(layer)], cs);
-    step(LayerStep::COMBINE);
-    device_.combine(step_);
+    if (!on_device) {
+        step(LayerStep::COMBINE);
+        device_.combine(step_);
+    }
 
     step(LayerStep::MEASURE);
-    device_hits_layer_ = -1;
+    if (!on_device) device_hits_layer_ = -1;
+    step_on_device_ = false;
     if (LayerStats *st = stats(layer)) {
         ++st->steps;
+        st->device_layers += on_device;
         st->device_hits += uint64_t(n_device_);
         st->host_us += now_us() - layer_t0_us_;
         st->split_steps += plan_.split;

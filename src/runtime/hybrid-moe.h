@@ -100,6 +100,13 @@ class MoeDevice {
     /// first GPU experts of its MoeStep. n_tok in [0, device_hits_max_tokens()]; 0 applies the updates only.
     virtual void launch_device_hits(int32_t layer, int64_t n_tok, std::span<const int32_t> index,
                                     std::span<const void *const> data);
+    /// The whole step on the device, for a layer whose every expert the slot table holds (decision 0138): the
+    /// updates and every routed expert's products as launch_device_hits queues them, the shared expert (ungated:
+    /// weight 1), and the combine of pair rows in top-k order with the pair ids and weights the device derives
+    /// from its own routing (ids and weights). The host's MoeStep is not read. n_tok in [1,
+    /// device_hits_max_tokens()].
+    virtual void launch_device_layer(int32_t layer, int64_t n_tok, std::span<const int32_t> index,
+                                     std::span<const void *const> data);
 };
 
 /// The device half of the all-CPU plan: no GPU experts; combine on the host into the output set by
@@ -118,6 +125,9 @@ class HostMoeDevice final : public MoeDevice {
     std::vector<float> rows_;  // [max_pairs][n_embd]
     float *out_ = nullptr;
 };
+
+/// What HybridMoe::launch_device queued: nothing, the resident experts (run_layer plans the rest), or the whole step.
+enum class DeviceLaunch : uint8_t { NONE, HITS, LAYER };
 
 struct HybridMoeConfig {
     PlannerConfig planner;           // rule (cost model or --cpu-threshold), streaming, prefetch limits, dump
@@ -155,6 +165,17 @@ class HybridMoe {
     /// queueing nothing, without a cache or when the device cannot for n_tok tokens. Call after the layer's
     /// routing is on the device, before run_layer(layer) with that same routing.
     bool launch_device_hits(int32_t layer, int64_t n_tok);
+    /// launch_device_hits, or, with whole_steps, when every expert of `layer` is resident for the device (its
+    /// slot-table row full, each copy done) and the model has no gated shared expert (its weight is a host
+    /// sigmoid), the whole step on the device (MoeDevice::launch_device_layer, decision 0138): nothing of it
+    /// waits for the host. A full row stays full (slots are per layer and a resident expert is never loaded
+    /// again), so the host may read that step's routing later; it must call account_device_layer(layer, ...)
+    /// before run_layer or account_device_layer of a later layer, and before this layer's next launch.
+    DeviceLaunch launch_device(int32_t layer, int64_t n_tok, bool whole_steps);
+    /// The host's part of a step launch_device ran whole (DeviceLaunch::LAYER): the plan (every expert a HIT the
+    /// device ran), the hot-expert table's counters and policy, the predictor and its prefetches, LayerStats; no
+    /// launch, no combine. h, r: as for run_layer (the routing the device used).
+    void account_device_layer(int32_t layer, const float *h, const Routing &r);
     /// Marks, on `stream`, the point where the layer's routing has been copied to the host (call before waiting
     /// for it): the compute stream is idle from there until run_layer queues the layer's first work, which is
     /// LayerStats::gpu_idle_us. Collects the layer's previous timings first when they are complete.
@@ -175,6 +196,11 @@ class HybridMoe {
     std::function<void(int32_t layer, LayerStep)> on_step;
 
   private:
+    void run_step(int32_t layer, const float *h, const Routing &r, std::span<const float> shared_gate,
+                  bool on_device);
+    /// Brings the layer's row of the device slot table up to date (update_index_ / update_data_); returns the
+    /// experts the row holds.
+    int32_t update_table(int32_t layer);
     void step(LayerStep s);
     void predict(int32_t layer, const float *h, const Routing &r);
     void build_step(const Routing &r, std::span<const float> shared_gate);
@@ -233,6 +259,8 @@ class HybridMoe {
     std::vector<int32_t> update_index_;        // [n_experts] scratch: the updates of one launch
     std::vector<const void *> update_data_;    // [n_experts]
     int32_t device_hits_layer_ = -1;           // the layer launch_device_hits ran for, until its run_layer
+    bool step_on_device_ = false;              // the step being accounted ran whole on the device
+    std::vector<uint8_t> device_layer_;        // [n_layers] a whole step was launched, its accounting pending
 };
 
 } // namespace prescope

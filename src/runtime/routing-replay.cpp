@@ -22,15 +22,12 @@ RoutingReplay::RoutingReplay(const std::string &path, const HParams &hp) : path_
 }
 
 void RoutingReplay::apply(int64_t layer, Routing &r) {
-    const int64_t k = trace_.top_k, n = trace_.n_tokens();
+    const int64_t k = trace_.top_k;
     PRESCOPE_ASSERT(r.k == k && r.ids.size() >= size_t(r.n_tok * k) && r.weights.size() >= size_t(r.n_tok * k));
     peek_ids(layer, r.n_tok, r.ids.data());
-    for (int64_t t = 0; t < r.n_tok; ++t) {
-        const uint8_t *q = trace_.gates((cursor_ + t) % n, int32_t(layer - first_layer_));
-        for (int64_t j = 0; j < k; ++j) r.weights[size_t(t * k + j)] = float(q[j]) / float(RoutingTrace::GATE_WEIGHT_SCALE);
-    }
+    peek_weights(layer, r.n_tok, r.weights.data());
     if (layer == n_layer_ - 1) {
-        cursor_ = (cursor_ + r.n_tok) % n;
+        cursor_ = (cursor_ + r.n_tok) % trace_.n_tokens();
         replayed_ += r.n_tok;
     }
 }
@@ -41,6 +38,15 @@ void RoutingReplay::peek_ids(int64_t layer, int64_t n_tok, int32_t *ids) const {
     for (int64_t t = 0; t < n_tok; ++t) {
         const uint8_t *src = trace_.ids((cursor_ + t) % n, int32_t(layer - first_layer_));
         for (int64_t j = 0; j < k; ++j) ids[t * k + j] = src[j];
+    }
+}
+
+void RoutingReplay::peek_weights(int64_t layer, int64_t n_tok, float *weights) const {
+    PRESCOPE_ASSERT(layer >= first_layer_ && layer < n_layer_);
+    const int64_t k = trace_.top_k, n = trace_.n_tokens();
+    for (int64_t t = 0; t < n_tok; ++t) {
+        const uint8_t *q = trace_.gates((cursor_ + t) % n, int32_t(layer - first_layer_));
+        for (int64_t j = 0; j < k; ++j) weights[t * k + j] = float(q[j]) / float(RoutingTrace::GATE_WEIGHT_SCALE);
     }
 }
 

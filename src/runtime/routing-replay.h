@@ -30,6 +30,8 @@ class RoutingReplay {
     /// The ids apply(layer, r) gives a batch of n_tok tokens now at model layer `layer` (a MoE layer, asserted):
     /// ids [n_tok][top_k] (the cursor stays).
     void peek_ids(int64_t layer, int64_t n_tok, int32_t *ids) const;
+    /// The weights apply(layer, r) gives that batch: [n_tok][top_k] F32 (the cursor stays).
+    void peek_weights(int64_t layer, int64_t n_tok, float *weights) const;
     /// Flat trace index of the first token of the batch being replayed.
     int64_t cursor() const { return cursor_; }
     int64_t tokens_replayed() const { return replayed_; }

@@ -176,11 +176,16 @@ TEST(GpuOffload, DeviceResolvedHitsChangeNoLogit) {
     t.arch = hp.arch;
     const fs::path trace = fs::temp_directory_path() / ("prescope-test-devhits-" + std::to_string(getpid()) + ".pstrace");
     write_trace(trace.string(), t);
+    // Every expert's home a fixed GPU slot: every layer holds all its experts from the start.
+    const fs::path fixed = fs::temp_directory_path() / ("prescope-test-fixed-" + std::to_string(getpid()) + ".json");
+    PlacementPlan::uniform(int32_t(hp.n_layer), int32_t(hp.n_expert), {HomeTier::GPU, ExecSite::GPU})
+        .save(fixed.string());
     const std::vector<int32_t> prompt{11, 12, 13};
-    for (int64_t slots : {hp.n_expert, hp.n_expert_used}) {
+    for (int64_t slots : {int64_t(0), hp.n_expert, hp.n_expert_used}) {
         for (bool replay : {false, true}) {
-            SCOPED_TRACE(testing::Message() << slots << " slots per layer, replay " << replay);
-            OffloadConfig c = offload(*model, slots, 0, "frequency");
+            SCOPED_TRACE(testing::Message() << slots << " slots per layer (0: fixed homes), replay " << replay);
+            OffloadConfig c = offload(*model, slots > 0 ? slots : hp.n_expert, 0, "frequency");
+            if (slots == 0) c.placement = fixed.string();
             if (replay) c.routing_trace = trace.string();
             c.device_hits = false;
             GpuContext host(*model, {64, 4}, c);
@@ -194,9 +199,15 @@ TEST(GpuOffload, DeviceResolvedHitsChangeNoLogit) {
             const LayerStats s = dev.cache().total_stats();
             EXPECT_GT(s.device_hits, 0u);
             if (slots == hp.n_expert) EXPECT_GT(s.device_hits, s.hits / 2) << s.device_hits << " of " << s.hits;
+            // Whole device steps (decision 0138) once a layer holds every expert: each step with fixed homes
+            // (every pass fits the device path); never with top-k slots.
+            if (slots == 0) EXPECT_EQ(s.device_layers, s.steps);
+            if (slots == hp.n_expert_used) EXPECT_EQ(s.device_layers, 0u);
+            EXPECT_EQ(host.cache().total_stats().device_layers, 0u);
         }
     }
     fs::remove(trace);
+    fs::remove(fixed);
 }
 
 // A prefill batch of 64 tokens routes more experts than top-k slots per layer hold: they stream through the

@@ -53,10 +53,11 @@ class FakeMoeDevice final : public MoeDevice {
         backend_.stream_synchronize(compute_);
         backend_.stream_destroy(compute_);
     }
-    void set_io(const float *x, float *out, const int32_t *ids) {
+    void set_io(const float *x, float *out, const int32_t *ids, const float *weights = nullptr) {
         x_ = x;
         out_ = out;
         ids_ = ids;
+        weights_ = weights;
     }
     Stream compute_stream() override { return compute_; }
     void launch_gpu(const MoeStep &s) override {
@@ -98,6 +99,48 @@ class FakeMoeDevice final : public MoeDevice {
         }
         device_pairs_ += pair;
     }
+    // A whole step from the device's own table, routing and weights: the products in launch_device_hits' layout,
+    // the ungated shared expert at weight 1, the combine in top-k order. An expert missing from the table fails.
+    void launch_device_layer(int32_t layer, int64_t n_tok, std::span<const int32_t> index,
+                             std::span<const void *const> data) override {
+        if (log) log->push_back("device-layer");
+        ASSERT_TRUE(n_tok >= 1 && n_tok <= device_hits_tokens && weights_ != nullptr);
+        ASSERT_FALSE(model_.hp().shared_expert_gate);
+        for (size_t i = 0; i < index.size(); ++i) table_[size_t(index[i])] = data[i];
+        std::vector<int32_t> rows, pair_of(size_t(n_tok * k_), -1);
+        int32_t pair = 0;
+        for (int64_t e = 0; e < n_expert_; ++e) {
+            rows.clear();
+            for (int64_t p = 0; p < n_tok * k_; ++p) {
+                if (ids_[p] != e) continue;
+                pair_of[size_t(p)] = pair + int32_t(rows.size());
+                rows.push_back(int32_t(p / k_));
+            }
+            if (rows.empty()) continue;
+            const void *slot = table_[size_t(layer * n_expert_ + e)];
+            ASSERT_NE(slot, nullptr) << "layer " << layer << " expert " << e << " is not in the device's table";
+            run_expert(layer, slot, rows.data(), int64_t(rows.size()), pair);
+            pair += int32_t(rows.size());
+        }
+        const bool shared = model_.hp().shared_expert;
+        if (shared) {
+            const LayerWeights &l = model_.weights().layers[size_t(layer)];
+            cpu_expert_ffn(l.gate_shexp, l.up_shexp, l.down_shexp, 0, x_, n_tok, shared_scratch_.data(),
+                           shared_out_.data());
+        }
+        for (int64_t t = 0; t < n_tok; ++t) {
+            float *o = out_ + t * n_embd_;
+            std::fill_n(o, n_embd_, 0.0f);
+            for (int64_t j = 0; j < k_; ++j) {
+                const float w = weights_[t * k_ + j];
+                const float *y = &gpu_out_[size_t(pair_of[size_t(t * k_ + j)]) * size_t(n_embd_)];
+                for (int64_t c = 0; c < n_embd_; ++c) o[c] += w * y[c];
+            }
+            for (int64_t c = 0; shared && c < n_embd_; ++c) o[c] += 1.0f * shared_out_[size_t(t * n_embd_ + c)];
+        }
+        device_pairs_ += pair;
+        ++device_layers_;
+    }
     float *cpu_out() override { return cpu_out_.data(); }
     void combine(const MoeStep &s) override {
         if (log) log->push_back("combine");
@@ -118,6 +161,7 @@ class FakeMoeDevice final : public MoeDevice {
     int launches() const { return launches_; }
     int shared_runs() const { return shared_runs_; }
     int64_t device_pairs() const { return device_pairs_; }
+    int device_layers() const { return device_layers_; }
     int64_t device_hits_tokens = 0;             // device_hits_max_tokens()
     int most_waves() const { return waves_; }  // most launches of one layer
     std::vector<std::string> *log = nullptr;    // device calls, when a test records them
@@ -145,11 +189,12 @@ class FakeMoeDevice final : public MoeDevice {
     const float *x_ = nullptr;
     float *out_ = nullptr;
     const int32_t *ids_ = nullptr;
+    const float *weights_ = nullptr;
     std::vector<const void *> table_;  // [n_layers * n_experts] the device slot table
     std::vector<uint8_t> slot_copy_;
     std::vector<float> gpu_out_, cpu_out_, xg_, scratch_;
     std::vector<float> shared_out_, shared_scratch_;  // [max_tokens][n_embd], [max_tokens][2 * n_ff_shexp]
-    int launches_ = 0, waves_ = 0, shared_runs_ = 0;
+    int launches_ = 0, waves_ = 0, shared_runs_ = 0, device_layers_ = 0;
     int64_t device_pairs_ = 0;
 };
 
@@ -160,9 +205,18 @@ class HybridExecutor final : public ExpertExecutor {
     HybridExecutor(const Model &model, HybridMoe &moe, FakeMoeDevice &device, bool shared_on_device, int64_t max_tokens)
         : model_(model), moe_(moe), device_(device), shared_(shared_on_device), gate_(size_t(max_tokens)) {}
     bool adds_shared_expert() const override { return shared_; }
+    /// As GpuContext: a whole device step's accounting waits (with a copy of its input and routing) until
+    /// another layer's launch, and a new pass, or finish(), settles what is pending.
     void run(int64_t layer, const float *x, const Routing &r, float *out) override {
-        device_.set_io(x, out, r.ids.data());
-        moe_.launch_device_hits(int32_t(layer), r.n_tok);
+        if (!pending_.empty() && layer <= pending_.back().layer) finish();  // a new pass
+        device_.set_io(x, out, r.ids.data(), r.weights.data());
+        const DeviceLaunch launched = moe_.launch_device(int32_t(layer), r.n_tok, whole_steps);
+        if (launched == DeviceLaunch::LAYER) {
+            const auto n = size_t(r.n_tok * model_.hp().n_embd);
+            pending_.push_back({int32_t(layer), std::vector<float>(x, x + n), r});
+            return;
+        }
+        finish();
         std::span<const float> gate;
         const HParams &hp = model_.hp();
         if (shared_ && hp.shared_expert_gate) {
@@ -176,13 +230,25 @@ class HybridExecutor final : public ExpertExecutor {
         }
         moe_.run_layer(int32_t(layer), x, r, gate);
     }
+    /// Accounts the pending device steps, in layer order.
+    void finish() {
+        for (const Pending &p : pending_) moe_.account_device_layer(p.layer, p.x.data(), p.routing);
+        pending_.clear();
+    }
+    bool whole_steps = true;  // launch_device's whole_steps
 
   private:
+    struct Pending {
+        int32_t layer;
+        std::vector<float> x;
+        Routing routing;
+    };
     const Model &model_;
     HybridMoe &moe_;
     FakeMoeDevice &device_;
     bool shared_;
     std::vector<float> gate_;  // [max_tokens] shared-expert gate logits
+    std::vector<Pending> pending_;
 };
 
 struct Options {
@@ -197,6 +263,7 @@ struct Options {
     bool balance = true;
     int64_t device_hits_tokens = 0;  // the fake device's device_hits_max_tokens()
     Predictor *predictor = nullptr;  // instead of the frequency predictor (prefetch_window > 0)
+    bool all_fixed = false;  // every expert's home is a fixed GPU slot, loaded before the first step
 };
 
 // Everything the offloaded run needs, in construction order.
@@ -204,7 +271,8 @@ struct Rig {
     Rig(const Model &model, const Options &o, int64_t max_tokens)
         : backend(fake_config(o)),
           store(model, &backend),
-          plan(PlacementPlan::uniform(int32_t(model.hp().n_layer), int32_t(model.hp().n_expert))) {
+          plan(PlacementPlan::uniform(int32_t(model.hp().n_layer), int32_t(model.hp().n_expert),
+                                      o.all_fixed ? ExpertPlacement{HomeTier::GPU, ExecSite::GPU} : ExpertPlacement{})) {
         const HParams &hp = model.hp();
         ExpertCacheConfig c;
         c.n_layers = int32_t(hp.n_layer);
@@ -219,6 +287,10 @@ struct Rig {
         ec.chunk_bytes = 4096;  // several chunks per expert
         engine = std::make_unique<CopyEngine>(backend, ec);
         loader = std::make_unique<ExpertLoader>(backend, *cache, *engine, plan, store.host_experts());
+        if (o.all_fixed) {
+            loader->load_fixed();
+            engine->drain();
+        }
         if (o.prefetch_window > 0 && !o.predictor) {
             const PredictorShape shape{int32_t(hp.n_layer_moe()), c.n_experts, c.top_k};  // MoE layers from 0
             predictor = std::make_unique<FrequencyPredictor>(shape, 1.0, int32_t(max_tokens), o.prefetch_window);
@@ -330,19 +402,41 @@ TEST_P(HybridModels, DeviceResolvedHitsEqualTheCpuExecutorAtEveryBudget) {
     const std::vector<float> ref = run_tokens(*model, nullptr, 6);
     const int32_t k = int32_t(model->hp().n_expert_used);
     for (int64_t tokens : {int64_t(1), kBatch}) {
+        Options fixed{};
+        fixed.all_fixed = true;
         for (Options o : {Options{}, Options{k, 0, 0}, Options{k + 1, 0, 2, true}, Options{k, -1, 1, true},
-                          Options{k + 2, -1, 3, true, false, EvictionPolicyKind::ARC}}) {
+                          Options{k + 2, -1, 3, true, false, EvictionPolicyKind::ARC}, fixed}) {
             o.device_hits_tokens = tokens;
             SCOPED_TRACE(testing::Message() << "device tokens " << tokens << ", slots/layer " << o.slots_per_layer
                                             << ", cpu_threshold " << o.cpu_threshold << ", window " << o.prefetch_window);
-            Rig rig(*model, o, kBatch);
-            expect_bitwise_equal(run_tokens(*model, rig.executor.get(), 6), ref);
-            const LayerStats t = rig.cache->total_stats();
-            EXPECT_LE(t.device_hits, t.hits);
-            EXPECT_GT(rig.device->device_pairs(), 0);
-            if (o.slots_per_layer == 0) {
-                // Every expert fits: after its first use each one is the device's.
-                EXPECT_GT(t.device_hits, t.hits / 2) << t.device_hits << " of " << t.hits;
+            uint64_t accesses = 0;  // of the run without whole steps
+            for (bool whole : {false, true}) {
+                SCOPED_TRACE(whole ? "whole device steps" : "device hits only");
+                Rig rig(*model, o, kBatch);
+                rig.executor->whole_steps = whole;
+                expect_bitwise_equal(run_tokens(*model, rig.executor.get(), 6), ref);
+                rig.executor->finish();
+                const LayerStats t = rig.cache->total_stats();
+                EXPECT_LE(t.device_hits, t.hits);
+                EXPECT_GT(rig.device->device_pairs(), 0);
+                EXPECT_EQ(t.device_layers, uint64_t(rig.device->device_layers()));
+                // A whole step is counted as the host-planned one would be: same routing, same accesses.
+                if (whole) EXPECT_EQ(t.accesses(), accesses);
+                accesses = t.accesses();
+                const bool full = o.slots_per_layer == 0 || o.slots_per_layer >= model->hp().n_expert;
+                // Whole steps need every expert of the layer resident (from the start with fixed homes: every
+                // step after the prefill's), and no gated shared expert.
+                if (!whole || !full || model->hp().shared_expert_gate) {
+                    EXPECT_EQ(t.device_layers, 0u);
+                } else if (o.all_fixed && tokens == kBatch) {
+                    EXPECT_EQ(t.device_layers, t.steps);
+                } else if (o.all_fixed) {
+                    EXPECT_GT(t.device_layers, 0u);
+                }
+                if (o.slots_per_layer == 0) {
+                    // Every expert fits: after its first use each one is the device's.
+                    EXPECT_GT(t.device_hits, t.hits / 2) << t.device_hits << " of " << t.hits;
+                }
             }
         }
     }

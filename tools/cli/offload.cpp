@@ -46,6 +46,9 @@ constexpr std::array kFlags = {
              "write every layer's scheduler state to FILE (JSON lines, for prescope schedule-check)"},
     FlagSpec{"--device-hits", "device_hits",
              "on or off: the GPU runs the routed experts it holds before the host reads the routing (decode)"},
+    FlagSpec{"--device-steps", "device_steps",
+             "on or off: with --device-hits, a layer whose every expert is resident runs whole on the GPU, the host "
+             "reading its routing later"},
 };
 
 } // namespace

@@ -253,7 +253,19 @@ __global__ void __launch_bounds__(kResolveThreads) resolve_device_hits_kernel(co
         a.down_w[group] = w + a.down_offset;
         a.offsets[group++] = pair;
         for (int p = 0; p < n_pairs; ++p) {
-            if (a.ids[p] == e) a.rows[pair++] = int32_t(p / a.k);
+            if (a.ids[p] != e) continue;
+            const int t = p / int(a.k), j = p - t * int(a.k);
+            if (a.pair_ids) {
+                a.pair_ids[t * a.k_comb + j] = pair;
+                a.weights[t * a.k_comb + j] = a.weights_in[p];
+            }
+            a.rows[pair++] = int32_t(t);
+        }
+    }
+    if (a.pair_ids && a.k_comb > a.k) {
+        for (int t = tid; t < a.n_tok; t += kResolveThreads) {
+            a.pair_ids[t * a.k_comb + a.k] = n_pairs + t;
+            a.weights[t * a.k_comb + a.k] = 1.0f;
         }
     }
     const int n_groups = n_pairs < a.n_expert ? n_pairs : a.n_expert;
@@ -267,6 +279,7 @@ void resolve_device_hits(const DeviceHitsArgs &args, const int32_t *index, const
                          cudaStream_t stream) {
     CUDA_ASSERT(args.n_expert >= 1 && args.n_expert <= kResolveThreads * kResolveMaxPerThread);
     CUDA_ASSERT(args.n_tok >= 0 && args.k >= 1 && args.n_tok * args.k < INT_MAX && n_updates >= 0);
+    CUDA_ASSERT(!args.pair_ids || (args.weights_in && args.weights && (args.k_comb == args.k || args.k_comb == args.k + 1)));
     // Every batch but the last only updates the table; the last one resolves too.
     int64_t done = 0;
     do {

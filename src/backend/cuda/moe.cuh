@@ -53,6 +53,13 @@ struct DeviceHitsArgs {
     const void **gate_w = nullptr, **up_w = nullptr, **down_w = nullptr;  // [n_groups]
     int32_t *offsets = nullptr;        // [n_groups + 1]
     int32_t *rows = nullptr;           // [n_tok * k]
+    // The combine's arrays of a whole step (decision 0138), or pair_ids == nullptr: none. Column j < k of token t
+    // is its pair of (t, j) and weights_in[t * k + j]; with k_comb == k + 1 column k is a shared expert's row
+    // n_tok * k + t at weight 1 (ungated). Every routed expert's entry must be set.
+    const float *weights_in = nullptr;  // device [n_tok][k] routing weights
+    int32_t *pair_ids = nullptr;        // device [n_tok][k_comb]
+    float *weights = nullptr;           // device [n_tok][k_comb]
+    int64_t k_comb = 0;
 };
 
 /// Applies the updates table[index[i]] = data[i] (an expert's slot bytes, or nullptr: not resident for the device),
