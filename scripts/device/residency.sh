@@ -22,6 +22,11 @@ MODEL=/tmp/prescope-qwen3-30b-a3b-q8_0.gguf
 mkdir -p "$OUT"
 : > "$OUT/summary.txt"
 say() { echo "[residency] $*" | tee -a "$OUT/summary.txt"; }
+finish() {  # one tarball per part that ran
+    say "done in $((SECONDS - T0)) s"
+    for d in "${parts[@]}"; do tar czf "$OUT/$d.tar.gz" -C "$OUT" "$d" && rm -rf "${OUT:?}/$d"; done
+    exit 0
+}
 T0=$SECONDS
 source scripts/device/common.sh
 setup_carried_debs .carry/debs
@@ -40,11 +45,7 @@ if [ "${TESTS:-1}" = 1 ]; then
 fi
 wait $MODEL_PID
 say "model ready ($((SECONDS - T0)) s)"
-if [ "${BENCH:-1}" != 1 ]; then
-    say "done in $((SECONDS - T0)) s"
-    for d in "${parts[@]}"; do tar czf "$OUT/$d.tar.gz" -C "$OUT" "$d" && rm -rf "${OUT:?}/$d"; done
-    exit 0
-fi
+[ "${BENCH:-1}" = 1 ] || finish
 BUDGETS=$BUDGETS OUT=$OUT/offload bash scripts/device/bench_offload.sh > /dev/null 2>&1
 cat "$OUT/offload/summary.txt" >> "$OUT/summary.txt"
 parts+=(offload)
@@ -61,5 +62,4 @@ for r in $(seq "$ROUNDS"); do
     done
 done
 parts+=(ab)
-say "done in $((SECONDS - T0)) s"
-for d in "${parts[@]}"; do tar czf "$OUT/$d.tar.gz" -C "$OUT" "$d" && rm -rf "${OUT:?}/$d"; done
+finish

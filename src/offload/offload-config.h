@@ -38,7 +38,7 @@ struct OffloadConfig {
     std::string numa = "gpu";          // gpu | distribute | isolate | numactl (runtime/numa.h)
     std::string dump_layer_states;     // write every layer's scheduler state here (JSON lines; schedule-check)
     bool device_hits = true;           // the device runs the resident experts before the host reads the routing
-                                       // (decode-sized batches; runtime/hybrid-moe.h launch_device_hits, issue 14)
+                                       // (decode-sized batches; runtime/hybrid-moe.h launch_device, issue 14)
     bool device_steps = true;          // with device_hits: a layer whose every expert is resident runs whole on the
                                        // device, the host reading its routing later (HybridMoe::launch_device, 0138)
 

@@ -349,7 +349,9 @@ void GpuContext::init() {
     }
     CopyEngineConfig copy = config.copy;
     // load_fixed queues every fixed expert at once: room for all of them besides the usual requests.
-    if (holds_all) copy.max_requests += L * E;
+    for (int32_t l = int32_t(hp.n_layer_dense); l < L; ++l) {
+        for (int32_t e = 0; e < E; ++e) copy.max_requests += plan_.at(l, e).home == HomeTier::GPU;
+    }
     engine_ = std::make_unique<CopyEngine>(*backend_, copy);
     loader_ = std::make_unique<ExpertLoader>(*backend_, *cache_, *engine_, plan_, store_->host_experts());
     loader_->load_fixed();
@@ -586,7 +588,7 @@ void GpuContext::forward_pass(const int32_t *tokens, int64_t n, std::span<const 
     for (int64_t i = 0; i < n_rows; ++i) tok_host_[3 * nb + i] = int32_t(out_rows[size_t(i)]);
     size_t n_ints = size_t(4 * nb);
     if (replay_on_device(n)) {
-        // [n_layer][n][k] after the four rows: the experts launch_device_hits resolves at each layer.
+        // [n_layer][n][k] after the four rows, then their weights: what the device resolves at each layer.
         for (int64_t il = hp.n_layer_dense; il < hp.n_layer; ++il) {
             replay_->peek_ids(il, n, tok_host_ + replay_ids(il, n));
             replay_->peek_weights(il, n, reinterpret_cast<float *>(tok_host_ + replay_weights(il, n)));
@@ -751,7 +753,7 @@ void GpuContext::moe_block(int64_t il, int64_t n) {
     const int64_t k = hp.n_expert_used;
     const RoutingBlock b = routing_block(n);
     auto *h = reinterpret_cast<float *>(routing_dev_ + b.h);
-    const uint8_t *host_block = nullptr;
+    uint8_t *host_block = nullptr;  // where the layer's routing block lands on the host
 
     {
         const NvtxRange range("router and routing copy");
@@ -771,10 +773,9 @@ void GpuContext::moe_block(int64_t il, int64_t n) {
         // while the host waits for the copy; a layer whose every expert it holds it runs whole (decision 0138),
         // and the host reads that routing later.
         const bool own_block = step_routing_bytes_ > 0 && n <= device_hits_tokens_;
-        uint8_t *block = own_block ? step_routing_host_ + size_t(il) * step_routing_bytes_ : routing_host_;
-        host_block = block;
+        host_block = own_block ? step_routing_host_ + size_t(il) * step_routing_bytes_ : routing_host_;
         const Event copied = own_block ? step_ready_[size_t(il)] : routing_ready_;
-        backend_->copy_d2h_async(block, routing_dev_, b.bytes, compute_);
+        backend_->copy_d2h_async(host_block, routing_dev_, b.bytes, compute_);
         backend_->event_record(copied, compute_);
         const bool replayed = replay_on_device(n);
         moe_device_->set_layer(

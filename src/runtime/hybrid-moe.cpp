@@ -288,10 +288,6 @@ int32_t HybridMoe::update_table(int32_t layer) {
     return held;
 }
 
-bool HybridMoe::launch_device_hits(int32_t layer, int64_t n_tok) {
-    return launch_device(layer, n_tok, false) == DeviceLaunch::HITS;
-}
-
 DeviceLaunch HybridMoe::launch_device(int32_t layer, int64_t n_tok, bool whole_steps) {
     PRESCOPE_ASSERT(model_.hp().has_experts(layer));  // dense layers have no routing, slots or table row
     PRESCOPE_ASSERT(device_layer_.empty() || !device_layer_[size_t(layer)]);  // its last step was accounted
@@ -446,7 +442,7 @@ void HybridMoe::run_step(int32_t layer, const float *h, const Routing &r, std::s
     PRESCOPE_ASSERT(model_.hp().has_experts(layer));
     PRESCOPE_ASSERT(r.n_tok > 0 && r.n_tok <= max_tokens_ && r.k == model_.hp().n_expert_used);
     PRESCOPE_ASSERT(!shared_gated_ || shared_gate.size() >= size_t(r.n_tok));
-    // An accounted device step comes between another layer's launch_device_hits and its run_layer.
+    // An accounted device step comes between another layer's launch_device and its run_layer.
     PRESCOPE_ASSERT(on_device || device_hits_layer_ < 0 || device_hits_layer_ == layer);
     step_on_device_ = on_device;
     step_layer_ = layer;

@@ -160,17 +160,15 @@ class HybridMoe {
     void run_layer(int32_t layer, const float *h, const Routing &r, std::span<const float> shared_gate);
     /// Issue 14: before the layer's routing reaches the host, brings the device's slot table up to date with the
     /// hot-expert table (an entry is set only once its copy is done, cleared once the slot holds another expert
-    /// or is being reloaded) and has the device run the routed experts it holds (MoeDevice::launch_device_hits).
-    /// run_layer(layer) then plans them as hits already computed and launches only the rest. Returns false,
-    /// queueing nothing, without a cache or when the device cannot for n_tok tokens. Call after the layer's
-    /// routing is on the device, before run_layer(layer) with that same routing.
-    bool launch_device_hits(int32_t layer, int64_t n_tok);
-    /// launch_device_hits, or, with whole_steps, when every expert of `layer` is resident for the device (its
-    /// slot-table row full, each copy done) and the model has no gated shared expert (its weight is a host
-    /// sigmoid), the whole step on the device (MoeDevice::launch_device_layer, decision 0138): nothing of it
-    /// waits for the host. A full row stays full (slots are per layer and a resident expert is never loaded
-    /// again), so the host may read that step's routing later; it must call account_device_layer(layer, ...)
-    /// before run_layer or account_device_layer of a later layer, and before this layer's next launch.
+    /// or is being reloaded) and has the device run the routed experts it holds (MoeDevice::launch_device_hits,
+    /// DeviceLaunch::HITS): run_layer(layer) then plans them as hits already computed and launches only the rest.
+    /// With whole_steps, when the row holds every expert of `layer` and the model has no gated shared expert (its
+    /// weight is a host sigmoid), queues the whole step instead (MoeDevice::launch_device_layer,
+    /// DeviceLaunch::LAYER, decision 0138): nothing of it waits for the host. A full row stays full (slots are
+    /// per layer and a resident expert is never loaded again), so the host may read that step's routing later;
+    /// it must call account_device_layer(layer, ...) before run_layer or account_device_layer of a later layer,
+    /// and before this layer's next launch. Queues nothing (NONE) without a cache or when the device cannot take
+    /// n_tok tokens. Call after the layer's routing is on the device, before run_layer(layer) with that routing.
     DeviceLaunch launch_device(int32_t layer, int64_t n_tok, bool whole_steps);
     /// The host's part of a step launch_device ran whole (DeviceLaunch::LAYER): the plan (every expert a HIT the
     /// device ran), the hot-expert table's counters and policy, the predictor and its prefetches, LayerStats; no
@@ -204,7 +202,7 @@ class HybridMoe {
     void step(LayerStep s);
     void predict(int32_t layer, const float *h, const Routing &r);
     void build_step(const Routing &r, std::span<const float> shared_gate);
-    bool device_hit(const RoutedExpert &x) const;  // x ran in this layer's launch_device_hits
+    bool device_hit(const RoutedExpert &x) const;  // x ran in this layer's device launch
     void launch(int32_t wave, int32_t begin, int32_t end);
     void begin_wave(int32_t first);
     void prefetch();
@@ -230,7 +228,7 @@ class HybridMoe {
     LayerDecision wave_;  // the experts of the next wave (split FETCH or STREAM), as FETCH entries
     MoeStep step_;
     int32_t n_wave0_ = 0;   // GPU experts [0, n_wave0_) of step_ are wave 0
-    int32_t n_device_ = 0;  // of them, [0, n_device_) ran in launch_device_hits
+    int32_t n_device_ = 0;  // of them, [0, n_device_) the device ran (launch_device)
     int32_t n_fetch_wave_ = 0;  // split: the FETCH wave [n_wave0_, n_wave0_ + n_fetch_wave_)
     std::vector<int32_t> gpu_index_;  // [n_experts] plan_.decision.experts index of GPU expert i
     std::vector<int8_t> site_;        // [n_experts] scratch: 0 not routed, 1 GPU, 2 CPU
@@ -258,7 +256,7 @@ class HybridMoe {
     std::vector<Ticket> done_ticket_;          // [n_slots] the last ticket of each slot seen DONE
     std::vector<int32_t> update_index_;        // [n_experts] scratch: the updates of one launch
     std::vector<const void *> update_data_;    // [n_experts]
-    int32_t device_hits_layer_ = -1;           // the layer launch_device_hits ran for, until its run_layer
+    int32_t device_hits_layer_ = -1;           // the layer launch_device queued HITS for, until its run_layer
     bool step_on_device_ = false;              // the step being accounted ran whole on the device
     std::vector<uint8_t> device_layer_;        // [n_layers] a whole step was launched, its accounting pending
 };
