@@ -8,7 +8,8 @@
 //
 // CSV columns: kind (K kernel, C memcpy, S memset), start_ns, end_ns (CUPTI's device timestamps, one clock
 // for all records), stream id, bytes (C, S; 0 for K), copy kind (CUpti_ActivityMemcpyKind: 1 HtoD, 2 DtoH,
-// 8 DtoD, 10 PtoP; 0 otherwise), name (K: demangled, without its argument list).
+// 8 DtoD, 10 PtoP; 0 otherwise), name (K: demangled, without its argument list, in double quotes: template
+// arguments hold commas).
 #include <cupti.h>
 #include <cxxabi.h>
 
@@ -66,7 +67,7 @@ void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t *buffer, size_t, siz
         case CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL:
         case CUPTI_ACTIVITY_KIND_KERNEL: {
             const auto *k = reinterpret_cast<const CUpti_ActivityKernel10 *>(rec);
-            std::fprintf(g_out, "K,%llu,%llu,%u,0,0,%s\n", (unsigned long long)k->start, (unsigned long long)k->end,
+            std::fprintf(g_out, "K,%llu,%llu,%u,0,0,\"%s\"\n", (unsigned long long)k->start, (unsigned long long)k->end,
                          k->streamId, short_name(k->name).c_str());
             break;
         }

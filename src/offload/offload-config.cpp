@@ -33,7 +33,7 @@ const std::vector<std::string> &OffloadConfig::keys() {
         "prefetch_max_per_layer", "prefetch_in_flight", "predict_max_tokens", "predictor",  "placement",
         "routing_trace",      "gpu_device",       "copy_chunk",         "copy_queue_depth",  "copy_bandwidth_cap",
         "cost_profile",       "load_balance",     "numa",               "dump_layer_states",
-        "device_hits",        "device_steps"};
+        "device_hits",        "device_steps",     "cuda_graphs"};
     return k;
 }
 
@@ -77,11 +77,14 @@ void OffloadConfig::set(std::string_view key, std::string_view value, std::strin
         copy.bandwidth_cap_bytes_per_s = double(parse_byte_size(value, where));
     } else if (key == "cost_profile") {
         cost_profile = std::string(value);
-    } else if (key == "load_balance" || key == "device_hits" || key == "device_steps") {
+    } else if (key == "load_balance" || key == "device_hits" || key == "device_steps" || key == "cuda_graphs") {
         if (value != "on" && value != "off" && value != "true" && value != "false") {
             fail("{}: expected on or off, got '{}'", where, value);
         }
-        bool &flag = key == "load_balance" ? load_balance : key == "device_hits" ? device_hits : device_steps;
+        bool &flag = key == "load_balance" ? load_balance
+                     : key == "device_hits"  ? device_hits
+                     : key == "device_steps" ? device_steps
+                                             : cuda_graphs;
         flag = value == "on" || value == "true";
     } else if (key == "prefetch_in_flight") {
         prefetch_in_flight = int32_t(parse_int(value, 1, 1024, source, key));
@@ -177,6 +180,7 @@ std::string OffloadConfig::get(std::string_view key) const {
     if (key == "load_balance") return load_balance ? "on" : "off";
     if (key == "device_hits") return device_hits ? "on" : "off";
     if (key == "device_steps") return device_steps ? "on" : "off";
+    if (key == "cuda_graphs") return cuda_graphs ? "on" : "off";
     if (key == "prefetch_in_flight") return std::to_string(prefetch_in_flight);
     if (key == "numa") return numa;
     if (key == "dump_layer_states") return dump_layer_states.empty() ? "off" : dump_layer_states;
@@ -211,6 +215,7 @@ nlohmann::json OffloadConfig::to_json() const {
     j["load_balance"] = load_balance;
     j["device_hits"] = device_hits;
     j["device_steps"] = device_steps;
+    j["cuda_graphs"] = cuda_graphs;
     j["prefetch_in_flight"] = prefetch_in_flight;
     j["numa"] = numa;
     j["dump_layer_states"] = dump_layer_states;

@@ -41,6 +41,8 @@ struct OffloadConfig {
                                        // (decode-sized batches; runtime/hybrid-moe.h launch_device, issue 14)
     bool device_steps = true;          // with device_hits: a layer whose every expert is resident runs whole on the
                                        // device, the host reading its routing later (HybridMoe::launch_device, 0138)
+    bool cuda_graphs = true;           // a decode pass whose every layer runs whole on the device from fixed slots is
+                                       // captured once as a CUDA graph and replayed (HybridMoe::device_resident, 0142)
 
     /// Keys set through set() (file or flags), in order, with where they came from.
     std::vector<std::pair<std::string, std::string>> given;

@@ -254,8 +254,10 @@ void GpuContext::init() {
             ffn_g_ = c.take<float>(size_t(nb * hp.n_ff));
             ffn_u_ = c.take<float>(size_t(nb * hp.n_ff));
         }
-        k_new_ = params_.n_seq > 1 ? c.take<float>(size_t(nb * n_kv)) : nullptr;
-        v_new_ = params_.n_seq > 1 && !hp.mla ? c.take<float>(size_t(nb * n_kv)) : nullptr;
+        // Several runs in a pass, or a captured decode pass (graph_pass: one row, never MLA), go through them.
+        const bool graphs = config.cuda_graphs && !hp.mla;
+        k_new_ = params_.n_seq > 1 || graphs ? c.take<float>(size_t(nb * n_kv)) : nullptr;
+        v_new_ = (params_.n_seq > 1 || graphs) && !hp.mla ? c.take<float>(size_t(nb * n_kv)) : nullptr;
         router_logits_ = c.take<float>(size_t(nb * E));
         routing_dev_ = c.take<uint8_t>(routing_block(nb).bytes);
         tok_dev_ = c.take<int32_t>(size_t(4 * nb + replay_ints));
@@ -559,6 +561,7 @@ int64_t GpuContext::n_past(int32_t seq) const {
 
 void GpuContext::clear() {
     std::fill(n_past_.begin(), n_past_.end(), 0);
+    graph_seq_ = -1;
     moe_->reset();
 }
 
@@ -595,6 +598,49 @@ void GpuContext::forward_pass(const int32_t *tokens, int64_t n, std::span<const 
         }
         n_ints += size_t(2 * hp.n_layer * n * hp.n_expert_used);
     }
+    const bool graph = graph_pass(n, runs, n_rows);
+    if (graph && graph_seq_ == runs[0].seq) {
+        // The captured pass again: the same launches, with this pass's tokens and positions read on the device.
+        for (int64_t il = hp.n_layer_dense; il < hp.n_layer; ++il) {
+            moe_->replayed_device_layer(int32_t(il));
+            device_steps_.emplace_back(int32_t(il), n);
+        }
+        graph_.launch(stream());
+        ++graph_replays_;
+    } else if (graph) {
+        graph_.begin_capture(stream());
+        capturing_ = true;
+        queue_layers(n, runs, n_ints);
+        queue_head(0, n_rows);
+        capturing_ = false;
+        graph_.end_capture(stream());
+        graph_seq_ = runs[0].seq;
+        graph_.launch(stream());
+        ++graph_captures_;
+    } else {
+        if (!moe_->device_resident()) graph_seq_ = -1;  // the slots may change: capture anew
+        queue_layers(n, runs, n_ints);
+    }
+    for (const SeqRun &r : runs) n_past_[size_t(r.seq)] = r.pos0 + r.n;
+    if (graph) {
+        read_logits(n_rows, logits_out);
+    } else {
+        for (int64_t r0 = 0; r0 < n_rows; r0 += kLogitRows) {
+            const int64_t m = std::min(kLogitRows, n_rows - r0);
+            queue_head(r0, m);
+            read_logits(m, logits_out + r0 * hp.n_vocab);
+        }
+    }
+    account_device_steps(true);  // none pending between passes
+}
+
+bool GpuContext::graph_pass(int64_t n, std::span<const SeqRun> runs, int64_t n_rows) const {
+    return config_.cuda_graphs && cuda::StreamGraph::available() && n == 1 && runs.size() == 1 && n_rows == 1 && !model_.hp().mla && !routing_override &&
+           pinned_ != nullptr && step_routing_bytes_ > 0 && !cuda::sync_debug() && moe_->device_resident();
+}
+
+void GpuContext::queue_layers(int64_t n, std::span<const SeqRun> runs, size_t n_ints) {
+    const HParams &hp = model_.hp();
     backend_->copy_h2d_async(tok_dev_, tok_host_, n_ints * 4, compute_);
     cuda::get_rows(tok_embd_.type, tok_embd_.data, hp.n_embd, hp.n_vocab, tok_dev_, n, x_, stream());
     for (int64_t il = 0; il < hp.n_layer; ++il) {
@@ -609,9 +655,6 @@ void GpuContext::forward_pass(const int32_t *tokens, int64_t n, std::span<const 
             moe_block(il, n);
         }
     }
-    for (const SeqRun &r : runs) n_past_[size_t(r.seq)] = r.pos0 + r.n;
-    if (n_rows > 0) output_head(n_rows, logits_out);
-    account_device_steps(true);  // none pending between passes
 }
 
 void GpuContext::attention_block(int64_t il, int64_t n, std::span<const SeqRun> runs) {
@@ -626,8 +669,9 @@ void GpuContext::attention_block(int64_t il, int64_t n, std::span<const SeqRun> 
     const int64_t seq_stride = params_.n_ctx * n_kv;  // one sequence's cache of one layer
     float *kc = k_cache_ + il * params_.n_seq * seq_stride, *vc = v_cache_ + il * params_.n_seq * seq_stride;
     // One run writes its new keys and values straight to their cache rows; several go through k_new_/v_new_
-    // and one scatter each (the projections stay one matmul over the whole pass).
-    const bool direct = runs.size() == 1;
+    // and one scatter each (the projections stay one matmul over the whole pass), as does a captured pass, whose
+    // launches may not depend on the position (its attention reads the position on the device too).
+    const bool direct = runs.size() == 1 && !capturing_;
     float *k_new = direct ? kc + runs[0].seq * seq_stride + runs[0].pos0 * n_kv : k_new_;
     float *v_new = direct ? vc + runs[0].seq * seq_stride + runs[0].pos0 * n_kv : v_new_;
     const cuda::MatmulPart qkv[3] = {{l.wq.type, l.wq.data, l.wq.n_out, q_}, {l.wk.type, l.wk.data, l.wk.n_out, k_new},
@@ -658,7 +702,7 @@ void GpuContext::attention_block(int64_t il, int64_t n, std::span<const SeqRun> 
     for (const SeqRun &r : runs) {
         cuda::attention(q_ + t0 * n_q_row, kc + r.seq * seq_stride, vc + r.seq * seq_stride, r.n, r.pos0, hp.n_head,
                         hp.n_head_kv, hp.head_dim, 1.0f / std::sqrt(float(hp.head_dim)), attn_ + t0 * n_q_row, ws_,
-                        s, l.attn_sinks, hp.window(il));
+                        s, l.attn_sinks, hp.window(il), capturing_ ? pos + t0 : nullptr);
         t0 += r.n;
     }
     matmul(l.wo, attn_, n, tmp_);
@@ -788,9 +832,10 @@ void GpuContext::moe_block(int64_t il, int64_t n) {
         if (launched == DeviceLaunch::LAYER) {
             device_steps_.emplace_back(int32_t(il), n);
             cuda::add(x_, tmp_, x_, n * hp.n_embd, stream());
-            account_device_steps(false);  // those already copied, while the device works
+            if (!capturing_) account_device_steps(false);  // those already copied, while the device works
             return;
         }
+        PRESCOPE_ASSERT(!capturing_);  // graph_pass: every layer runs whole
         moe_->mark_routing_copied(int32_t(il), compute_);
         backend_->event_synchronize(copied);
     }
@@ -838,22 +883,22 @@ void GpuContext::account_device_steps(bool wait) {
     device_steps_done_ = 0;
 }
 
-void GpuContext::output_head(int64_t n_rows, float *logits_out) {
+void GpuContext::queue_head(int64_t r0, int64_t m) {
     const NvtxRange range("output head");
     const HParams &hp = model_.hp();
     const int32_t *rows = tok_dev_ + 3 * params_.n_batch;
-    for (int64_t r0 = 0; r0 < n_rows; r0 += kLogitRows) {
-        const int64_t m = std::min(kLogitRows, n_rows - r0);
-        // The wanted rows of the residual stream, gathered (F32 -> F32), then norm and head on m rows.
-        cuda::convert_rows(DType::F32, x_, hp.n_embd, rows + r0, params_.n_batch, m, DType::F32, tmp_, stream());
-        cuda::rms_norm(tmp_, output_norm_, m, hp.n_embd, hp.rms_eps, hb_, stream());
-        matmul(output_, hb_, m, logits_dev_);
-        backend_->copy_d2h_async(logits_host_, logits_dev_, size_t(m * hp.n_vocab) * 4, compute_);
-        backend_->event_record(logits_ready_, compute_);
-        account_device_steps(true);  // while the head runs
-        backend_->event_synchronize(logits_ready_);
-        std::memcpy(logits_out + r0 * hp.n_vocab, logits_host_, size_t(m * hp.n_vocab) * 4);
-    }
+    // The wanted rows of the residual stream, gathered (F32 -> F32), then norm and head on m rows.
+    cuda::convert_rows(DType::F32, x_, hp.n_embd, rows + r0, params_.n_batch, m, DType::F32, tmp_, stream());
+    cuda::rms_norm(tmp_, output_norm_, m, hp.n_embd, hp.rms_eps, hb_, stream());
+    matmul(output_, hb_, m, logits_dev_);
+    backend_->copy_d2h_async(logits_host_, logits_dev_, size_t(m * hp.n_vocab) * 4, compute_);
+    backend_->event_record(logits_ready_, compute_);
+}
+
+void GpuContext::read_logits(int64_t m, float *logits_out) {
+    account_device_steps(true);  // while the head runs
+    backend_->event_synchronize(logits_ready_);
+    std::memcpy(logits_out, logits_host_, size_t(m * model_.hp().n_vocab) * 4);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -916,6 +961,7 @@ void GpuContext::reset_stats() {
     cache_->reset_stats();
     copy_base_ = engine_->stats();
     tokens_prefill_ = tokens_decode_ = 0;
+    graph_captures_ = graph_replays_ = 0;
 }
 
 std::string GpuContext::stats_text() const {
@@ -952,6 +998,10 @@ std::string GpuContext::stats_text() const {
                        t.predicted_us * 1e-3, t.finish_gap_us * 1e-3, t.finish_gap_abs_us * 1e-3, t.prefetch_planned,
                        t.corrections, k.cpu, k.gpu, k.link);
     if (replay_) out += fmt::format("routing: {} tokens replayed from {}\n", replay_->tokens_replayed(), replay_->path());
+    out += fmt::format("CUDA graphs: {} decode passes replayed, {} captured ({})\n", graph_replays_, graph_captures_,
+                       !config_.cuda_graphs || !cuda::StreamGraph::available() ? "off"
+                       : moe_->device_resident() ? "every expert has its home on the GPU"
+                                                 : "off while some expert is not resident");
     return out;
 }
 
@@ -980,6 +1030,8 @@ nlohmann::json GpuContext::stats_json() const {
     j["split_layers"] = t.split_steps;
     j["finish_gap_ms"] = t.finish_gap_us * 1e-3;
     j["corrections"] = t.corrections;
+    j["graph_replays"] = graph_replays_;
+    j["graph_captures"] = graph_captures_;
     j["cost_model"] = moe_->planner()->cost().to_json();
     j["copy"] = {{"bytes_done", c.bytes_done},
                  {"bytes_demand", c.bytes_demand},

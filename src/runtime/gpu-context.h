@@ -6,6 +6,7 @@
 
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/cuda-backend.h"
+#include "backend/cuda/graph.h"
 #include "offload/copy-engine.h"
 #include "offload/expert-cache.h"
 #include "offload/expert-loader.h"
@@ -97,6 +98,12 @@ class GpuContext final : public Engine {
     /// One forward pass over tokens[0, n) made of `runs`; logits_out receives [out_rows][n_vocab].
     void forward_pass(const int32_t *tokens, int64_t n, std::span<const SeqRun> runs,
                       std::span<const int64_t> out_rows, float *logits_out);
+    /// The pass's work on the compute stream up to the head: the upload of n_ints ints of tok_host_, the layers.
+    /// The host interleaves its MoE steps (waiting for routing), except while capturing_ (every step whole).
+    void queue_layers(int64_t n, std::span<const SeqRun> runs, size_t n_ints);
+    /// The pass may run as the decode graph (decision 0142): one token of one run, one logits row, no MLA, every
+    /// MoE layer whole on the device from fixed slots (HybridMoe::device_resident), page-locked mirrors.
+    bool graph_pass(int64_t n, std::span<const SeqRun> runs, int64_t n_rows) const;
     void attention_block(int64_t il, int64_t n, std::span<const SeqRun> runs);
     /// DeepSeek's MLA as runtime/context.cpp computes it (absorbed weights, latent cache), the per-head products
     /// as grouped matmuls over the heads (mla_heads).
@@ -105,8 +112,12 @@ class GpuContext final : public Engine {
     void mla_heads(int64_t il, int which, const DevMatrix &m, const float *x, int64_t n, float *y);
     void dense_ffn_block(int64_t il, int64_t n);
     void moe_block(int64_t il, int64_t n);
-    /// Logits of the pass rows `rows` (pass-local token indices on the host; their copy is in tok_dev_).
-    void output_head(int64_t n_rows, float *logits_out);
+    /// Queues the logits of pass rows [r0, r0 + m) of those in tok_dev_ (m <= kLogitRows) and their copy to
+    /// logits_host_.
+    void queue_head(int64_t r0, int64_t m);
+    /// After queue_head(r0, m): the pending whole steps' accounting while the head runs, then its m rows of logits
+    /// into logits_out.
+    void read_logits(int64_t m, float *logits_out);
     void matmul(const DevMatrix &w, const float *x, int64_t n_tok, float *y);
     cudaStream_t stream() const { return CudaBackend::cuda_stream(compute_); }
 
@@ -150,8 +161,9 @@ class GpuContext final : public Engine {
     float *ffn_g_ = nullptr, *ffn_u_ = nullptr;  // dense layers: [n_batch][n_ff]
     float *router_logits_ = nullptr;  // [n_batch][n_expert]
     uint8_t *routing_dev_ = nullptr;  // RoutingBlock for n_batch tokens: h, ids, weights, shared gate logits
-    float *k_new_ = nullptr;     // [n_batch][n_head_kv * head_dim] new keys of a pass of several runs, before the
-    float *v_new_ = nullptr;     //   scatter into their sequences' cache rows (one run writes its rows directly)
+    float *k_new_ = nullptr;     // [n_batch][n_head_kv * head_dim] new keys of a pass of several runs or of a
+    float *v_new_ = nullptr;     //   captured one (decision 0142), before the scatter into their sequences' cache
+                                 //   rows (one run writes its rows directly)
     int32_t *tok_dev_ = nullptr;   // [4][n_batch]: token ids, positions, KV cache rows, rows whose logits are wanted;
                                    // then, replaying a trace, [n_layer][n][top_k] its experts (replay_ids)
                                    // and their weights (F32, replay_weights)
@@ -167,6 +179,11 @@ class GpuContext final : public Engine {
     // Whole device steps whose accounting is pending, in layer order: (layer, tokens). Empty between passes.
     std::vector<std::pair<int32_t, int64_t>> device_steps_;
     size_t device_steps_done_ = 0;          // of device_steps_, accounted
+    // The decode graph (decision 0142): captured from a pass of sequence graph_seq_ (-1: none valid), replayed.
+    cuda::StreamGraph graph_;
+    int32_t graph_seq_ = -1;
+    bool capturing_ = false;   // queue_pass is being captured: nothing runs, the host must not wait
+    int64_t graph_captures_ = 0, graph_replays_ = 0;  // passes since reset_stats()
     int32_t *tok_host_ = nullptr;
     float *logits_host_ = nullptr;   // [kLogitRows][n_vocab]
     Routing routing_;

@@ -306,6 +306,24 @@ DeviceLaunch HybridMoe::launch_device(int32_t layer, int64_t n_tok, bool whole_s
     return DeviceLaunch::HITS;
 }
 
+bool HybridMoe::device_resident() const {
+    if (!cache_ || shared_gated_ || device_.device_hits_max_tokens() < 1) return false;
+    const HParams &hp = model_.hp();
+    const auto E = size_t(hp.n_expert);
+    for (int32_t il = int32_t(hp.n_layer_dense); il < int32_t(hp.n_layer); ++il) {
+        if (cache_->layer_fixed(il) != int32_t(E)) return false;
+        const auto row = table_slot_.begin() + ptrdiff_t(size_t(il) * E);
+        if (std::any_of(row, row + ptrdiff_t(E), [](int32_t slot) { return slot < 0; })) return false;
+    }
+    return true;
+}
+
+void HybridMoe::replayed_device_layer(int32_t layer) {
+    PRESCOPE_ASSERT(model_.hp().has_experts(layer) && !device_layer_[size_t(layer)]);
+    device_hits_layer_ = -1;
+    device_layer_[size_t(layer)] = 1;
+}
+
 void HybridMoe::account_device_layer(int32_t layer, const float *h, const Routing &r) {
     PRESCOPE_ASSERT(device_layer_[size_t(layer)]);
     device_layer_[size_t(layer)] = 0;

@@ -174,6 +174,14 @@ class HybridMoe {
     /// device ran), the hot-expert table's counters and policy, the predictor and its prefetches, LayerStats; no
     /// launch, no combine. h, r: as for run_layer (the routing the device used).
     void account_device_layer(int32_t layer, const float *h, const Routing &r);
+    /// Every MoE layer runs whole on the device from slots that never change: each expert has its home there
+    /// (a fixed slot, placement tier GPU), its copy done and its slot in the device's table. Then a pass of n_tok
+    /// in [1, device_hits_max_tokens()] queues the same launches every time, and may be captured once as a CUDA
+    /// graph and replayed (decision 0142): replayed_device_layer stands for launch_device's LAYER outcome.
+    bool device_resident() const;
+    /// The host's record of a whole step the device ran from a replayed launch (device_resident() must hold):
+    /// as launch_device's LAYER outcome, without queueing anything; account_device_layer follows as usual.
+    void replayed_device_layer(int32_t layer);
     /// Marks, on `stream`, the point where the layer's routing has been copied to the host (call before waiting
     /// for it): the compute stream is idle from there until run_layer queues the layer's first work, which is
     /// LayerStats::gpu_idle_us. Collects the layer's previous timings first when they are complete.

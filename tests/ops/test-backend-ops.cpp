@@ -758,16 +758,19 @@ struct AttentionCase : Case {
     int64_t window = 0;  // gpt-oss: sliding window
     std::vector<float> sink;
     DevBuf dsink;
+    bool device_pos = false;  // the position read on the device (a CUDA graph's launch): equal to the host-planned run
+    DevBuf dpos, dout_host;
     AttentionCase(int64_t nt, int64_t p0, int64_t nh, int64_t nkv, int64_t hd, float qs = 1.0f,
-                  AttnWs w = AttnWs::FULL, bool sk = false, int64_t win = 0)
+                  AttnWs w = AttnWs::FULL, bool sk = false, int64_t win = 0, bool dp = false)
         : n_tok(nt), pos0(p0), n_head(nh), n_head_kv(nkv), head_dim(hd), q_scale(qs), ws_mode(w), sinks(sk),
-          window(win) {}
+          window(win), device_pos(dp) {}
     std::string op() const override { return "attention"; }
     std::string vars() const override {
         return strf("n_tok=%lld,pos0=%lld,n_head=%lld,n_head_kv=%lld,head_dim=%lld,q_scale=%g%s%s,window=%lld",
                     (long long)n_tok, (long long)pos0, (long long)n_head, (long long)n_head_kv, (long long)head_dim,
                     double(q_scale), ws_mode == AttnWs::NONE ? ",no-split" : ws_mode == AttnWs::QUARTER ? ",ws/4" : "",
-                    sinks ? ",sinks" : "", (long long)window);
+                    sinks ? ",sinks" : "", (long long)window) +
+               (device_pos ? ",device_pos" : "");
     }
     void init(Rng &rng) override {
         const size_t n_kv = size_t(pos0 + n_tok);
@@ -777,6 +780,8 @@ struct AttentionCase : Case {
         sink = rng.floats(size_t(n_head), -2.0f, 3.0f), dsink = DevBuf(sink);
         const size_t full = cu::attention_workspace_bytes(n_tok, pos0, n_head, n_head_kv, head_dim);
         ws = DevBuf(ws_mode == AttnWs::FULL ? full : ws_mode == AttnWs::QUARTER ? full / 4 : 0);
+        const std::vector<int32_t> p{int32_t(pos0)};
+        if (device_pos) dpos = DevBuf(p), dout_host = DevBuf(q.size() * 4);
     }
     float scale() const { return 1.0f / std::sqrt(float(head_dim)); }
     void reference() override {
@@ -785,12 +790,24 @@ struct AttentionCase : Case {
                        out_ref.data(), sinks ? sink.data() : nullptr, window);
     }
     void poison() override { dout.poison(); }
-    void run() override {
-        cu::attention(dq.as<float>(), dk.as<float>(), dv.as<float>(), n_tok, pos0, n_head, n_head_kv, head_dim, scale(),
-                      dout.as<float>(), ws_mode == AttnWs::NONE ? cu::Workspace{} : ws.workspace(), g_stream,
-                      sinks ? dsink.as<float>() : nullptr, window);
+    void launch(float *out, const int32_t *pos_dev, int64_t pos) {
+        cu::attention(dq.as<float>(), dk.as<float>(), dv.as<float>(), n_tok, pos, n_head, n_head_kv, head_dim, scale(),
+                      out, ws_mode == AttnWs::NONE ? cu::Workspace{} : ws.workspace(), g_stream,
+                      sinks ? dsink.as<float>() : nullptr, window, pos_dev);
     }
-    std::vector<Check> compare() override { return {nmse("out", dout.download<float>(), out_ref, kExact)}; }
+    // The device-position run is given a wrong host position: only the device's may count.
+    void run() override {
+        if (device_pos) launch(dout.as<float>(), dpos.as<int32_t>(), 0);
+        else launch(dout.as<float>(), nullptr, pos0);
+    }
+    std::vector<Check> compare() override {
+        std::vector<Check> c{nmse("out", dout.download<float>(), out_ref, kExact)};
+        if (device_pos) {
+            launch(dout_host.as<float>(), nullptr, pos0);
+            c.push_back(exact("out=host-planned", dout.download<float>(), dout_host.download<float>()));
+        }
+        return c;
+    }
     double bytes() const override { return double(q.size() * 8) + double(kc.size() + vc.size()) * 4.0; }
     double flops() const override {
         return 4.0 * double(n_tok) * double(n_head) * double(head_dim) * double(pos0 + (n_tok + 1) / 2);
@@ -1207,6 +1224,13 @@ CaseList test_cases() {
     add<AttentionCase>(l, 1, 30, 4, 2, 16, 4.0f, AttnWs::FULL, true, 5);
     add<AttentionCase>(l, 1, 30, 4, 2, 16, 4.0f, AttnWs::FULL, true, 0);   // a full layer's sinks
     add<AttentionCase>(l, 1, 3000, 64, 8, 64, 4.0f, AttnWs::FULL, true, 128);  // split, most splits see no key
+    // The position read on the device (CUDA graph decode): no split, split, fewer splits, sinks and window, rows.
+    add<AttentionCase>(l, 1, 0, 32, 4, 128, 1.0f, AttnWs::FULL, false, 0, true);
+    add<AttentionCase>(l, 1, 1000, 32, 4, 128, 1.0f, AttnWs::FULL, false, 0, true);
+    add<AttentionCase>(l, 1, 4095, 32, 4, 128, 4.0f, AttnWs::QUARTER, false, 0, true);
+    add<AttentionCase>(l, 1, 2047, 16, 16, 128, 1.0f, AttnWs::FULL, false, 0, true);
+    add<AttentionCase>(l, 4, 1000, 32, 4, 128, 4.0f, AttnWs::FULL, false, 0, true);
+    add<AttentionCase>(l, 1, 3000, 64, 8, 64, 4.0f, AttnWs::FULL, true, 128, true);
     add<AttentionCase>(l, 1, 3000, 64, 8, 64, 4.0f, AttnWs::FULL, true, 0);
     add<AttentionCase>(l, 40, 200, 64, 8, 64, 4.0f, AttnWs::FULL, true, 128);
     add<AttentionCase>(l, 1, 3000, 64, 8, 64, 4.0f, AttnWs::NONE, false, 128);

@@ -210,6 +210,16 @@ class HybridExecutor final : public ExpertExecutor {
     void run(int64_t layer, const float *x, const Routing &r, float *out) override {
         if (!pending_.empty() && layer <= pending_.back().layer) finish();  // a new pass
         device_.set_io(x, out, r.ids.data(), r.weights.data());
+        if (replay && moe_.device_resident() && r.n_tok <= device_.device_hits_max_tokens()) {
+            // As GpuContext's decode graph (decision 0142): the launches of a captured step again, without the
+            // host's launch_device, which then only records the step.
+            device_.launch_device_layer(int32_t(layer), r.n_tok, {}, {});
+            moe_.replayed_device_layer(int32_t(layer));
+            ++replayed;
+            const auto n = size_t(r.n_tok * model_.hp().n_embd);
+            pending_.push_back({int32_t(layer), std::vector<float>(x, x + n), r});
+            return;
+        }
         const DeviceLaunch launched = moe_.launch_device(int32_t(layer), r.n_tok, whole_steps);
         if (launched == DeviceLaunch::LAYER) {
             const auto n = size_t(r.n_tok * model_.hp().n_embd);
@@ -236,6 +246,8 @@ class HybridExecutor final : public ExpertExecutor {
         pending_.clear();
     }
     bool whole_steps = true;  // launch_device's whole_steps
+    bool replay = false;      // replay the device's launches while HybridMoe::device_resident() holds
+    int64_t replayed = 0;     // steps replayed
 
   private:
     struct Pending {
@@ -410,10 +422,12 @@ TEST_P(HybridModels, DeviceResolvedHitsEqualTheCpuExecutorAtEveryBudget) {
             SCOPED_TRACE(testing::Message() << "device tokens " << tokens << ", slots/layer " << o.slots_per_layer
                                             << ", cpu_threshold " << o.cpu_threshold << ", window " << o.prefetch_window);
             uint64_t accesses = 0;  // of the run without whole steps
-            for (bool whole : {false, true}) {
-                SCOPED_TRACE(whole ? "whole device steps" : "device hits only");
+            for (int mode = 0; mode < 3; ++mode) {
+                const bool whole = mode > 0, replay = mode == 2;
+                SCOPED_TRACE(replay ? "whole device steps, replayed" : whole ? "whole device steps" : "device hits only");
                 Rig rig(*model, o, kBatch);
                 rig.executor->whole_steps = whole;
+                rig.executor->replay = replay;
                 expect_bitwise_equal(run_tokens(*model, rig.executor.get(), 6), ref);
                 rig.executor->finish();
                 const LayerStats t = rig.cache->total_stats();
@@ -423,6 +437,13 @@ TEST_P(HybridModels, DeviceResolvedHitsEqualTheCpuExecutorAtEveryBudget) {
                 // A whole step is counted as the host-planned one would be: same routing, same accesses.
                 if (whole) EXPECT_EQ(t.accesses(), accesses);
                 accesses = t.accesses();
+                // Replays only from fixed homes, once launch_device has set the device's table (the first step).
+                const bool resident = o.all_fixed && !model->hp().shared_expert_gate;
+                EXPECT_EQ(rig.moe->device_resident(), resident);
+                if (replay) {
+                    EXPECT_EQ(rig.executor->replayed > 0, resident);
+                    EXPECT_LT(rig.executor->replayed, int64_t(t.steps));
+                }
                 const bool full = o.slots_per_layer == 0 || o.slots_per_layer >= model->hp().n_expert;
                 // Whole steps need every expert of the layer resident (from the start with fixed homes: every
                 // step after the prefill's), and no gated shared expert.

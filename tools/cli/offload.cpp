@@ -49,6 +49,9 @@ constexpr std::array kFlags = {
     FlagSpec{"--device-steps", "device_steps",
              "on or off: with --device-hits, a layer whose every expert is resident runs whole on the GPU, the host "
              "reading its routing later"},
+    FlagSpec{"--cuda-graphs", "cuda_graphs",
+             "on or off: a decode pass whose every expert has its home on the GPU is captured once as a CUDA graph "
+             "and replayed"},
 };
 
 } // namespace

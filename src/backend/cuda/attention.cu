@@ -69,7 +69,24 @@ struct AttnArgs {
     float scale;
     const float *sinks;  // [n_head] or null (gpt-oss)
     int64_t window;      // > 0: row at position p sees (p - window, p]
+    const int32_t *pos0_dev;  // non-null: pos0 is read here and the split plan made from it (split_cap splits
+    int split_cap;            // at most), so that one launch serves every position (a CUDA graph's decode pass)
 };
+
+struct SplitPlan {
+    int n_split = 1;
+    int64_t split_len = 0;
+};
+
+/// The split of n_kv keys into at most `cap` splits of whole tiles of `tile` keys, none empty: as few keys per
+/// split as the cap allows. The same on the host and, for a position known there only, on the device.
+PRESCOPE_HOST_DEVICE inline SplitPlan splits_of(int64_t n_kv, int64_t cap, int64_t tile) {
+    const int64_t tiles = ceil_div(n_kv, tile), n = cap < tiles ? cap : tiles;
+    SplitPlan p;
+    p.split_len = ceil_div(ceil_div(n_kv, n), tile) * tile;
+    p.n_split = int(ceil_div(n_kv, p.split_len));
+    return p;
+}
 
 /// Position of float4 chunk c of key row k in the K tile: odd rows swap the halves of each 128-byte
 /// line, so the two keys a quarter-warp reads (64 bytes each) fall on different banks.
@@ -113,11 +130,15 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attention_kernel(const AttnAr
     int64_t *lim = reinterpret_cast<int64_t *>(ll + RP);  // 8-byte aligned: every part above is a multiple of 8 B
     const int tid = int(threadIdx.x);
     const int G = a.group, kvh = int(blockIdx.y), split = int(blockIdx.z);
+    const int64_t pos0 = a.pos0_dev != nullptr ? int64_t(*a.pos0_dev) : a.pos0;
+    const SplitPlan plan =
+        a.pos0_dev != nullptr ? splits_of(pos0 + a.n_tok, a.split_cap, T) : SplitPlan{a.n_split, a.split_len};
+    if (split >= plan.n_split) return;  // a launch sized for the cap (uniform over the block)
     const int64_t t0 = int64_t(blockIdx.x) * a.tok_per_block;
     const int64_t n_tok_blk = min(int64_t(a.tok_per_block), a.n_tok - t0);
     const int rows = int(n_tok_blk) * G;  // valid rows; row r is token t0 + r / G, head kvh * G + r % G
-    const int64_t k_begin = int64_t(split) * a.split_len;
-    const int64_t k_end = min(a.pos0 + t0 + n_tok_blk, k_begin + a.split_len);  // causal bound of the last row
+    const int64_t k_begin = int64_t(split) * plan.split_len;
+    const int64_t k_end = min(pos0 + t0 + n_tok_blk, k_begin + plan.split_len);  // causal bound of the last row
     const int64_t n_tiles = k_end > k_begin ? ceil_div(k_end - k_begin, T) : 0;
     const int64_t kv_stride = a.n_head_kv * HD;  // floats from one position to the next
 
@@ -145,7 +166,7 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attention_kernel(const AttnAr
         }
         reinterpret_cast<float4 *>(qs)[e] = v;
     }
-    if (tid < RP) lim[tid] = tid < rows ? a.pos0 + t0 + tid / G + 1 : 0;
+    if (tid < RP) lim[tid] = tid < rows ? pos0 + t0 + tid / G + 1 : 0;
     int64_t *lo = lim + RP;  // first position each row sees (sliding window)
     if (tid < RP) lo[tid] = a.window > 0 && tid < rows ? max(int64_t(0), lim[tid] - a.window) : 0;
 
@@ -275,7 +296,7 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attention_kernel(const AttnAr
             o.x += x.x, o.y += x.y, o.z += x.z, o.w += x.w;
         }
         const int64_t row = (t0 + r / G) * a.n_head + int64_t(kvh) * G + r % G;  // t * n_head + h
-        if (a.n_split == 1) {
+        if (plan.n_split == 1) {
             const float inv = 1.0f / ll[r];
             o.x *= inv, o.y *= inv, o.z *= inv, o.w *= inv;
             reinterpret_cast<float4 *>(a.out + row * HD)[c] = o;
@@ -290,10 +311,14 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attention_kernel(const AttnAr
 // Merges the splits of one (token, head): out = sum_s o_s e^(m_s - M) / sum_s l_s e^(m_s - M). Warp 0
 // turns the splits' (m, l) into weights; then the threads sum the partials, one element of head_dim each in turn.
 // Splits that saw no key (m = -inf, l = 0, o = 0) weigh 0; split 0 always holds key 0, so M is finite.
+// With pos0_dev, n_split is the cap and the count comes from the position (splits_of); one split wrote out itself.
 __global__ void __launch_bounds__(256) attention_merge_kernel(const float *__restrict__ part_o,
                                                               const float *__restrict__ part_ml, int64_t n_tok,
-                                                              int64_t n_head, int hd, int n_split, float *out) {
+                                                              int64_t n_head, int hd, int n_split, float *out,
+                                                              const int32_t *pos0_dev, int tile) {
     static_assert(kAttnMaxSplits <= 2 * kWarp);
+    if (pos0_dev != nullptr) n_split = splits_of(int64_t(*pos0_dev) + n_tok, n_split, tile).n_split;
+    if (n_split == 1) return;
     __shared__ float w[kAttnMaxSplits];
     const int64_t th = int64_t(blockIdx.x);  // t * n_head + h
     const int64_t stride = n_tok * n_head;   // from one split's partial to the next
@@ -327,27 +352,22 @@ size_t split_bytes(int n_split, int64_t n_tok, int64_t n_head, int64_t head_dim)
            align_256(sizeof(float) * per * size_t(n_split) * 2);
 }
 
-struct SplitPlan {
-    int n_split = 1;
-    int64_t split_len = 0;
-};
-
 // Splits the keys when the (row block, KV head) blocks alone would fill less than two waves of the GPU:
-// enough splits for two waves, at least one tile each, at most kAttnMaxSplits, and no more than fit in
-// `ws_bytes` (SIZE_MAX: no limit).
+// enough splits for two waves, at most kAttnMaxSplits, and no more than fit in `ws_bytes` (SIZE_MAX: no limit);
+// splits_of then keeps at least one tile in each. The cap does not depend on the position.
+int64_t split_cap(int64_t n_tok, int64_t n_head, int64_t n_head_kv, int64_t head_dim, size_t ws_bytes) {
+    const int64_t group = n_head / n_head_kv;
+    const int64_t tok_per_block = attn_rows(n_tok * group) / group;
+    const int64_t blocks = ceil_div(n_tok, tok_per_block) * n_head_kv;
+    const int64_t want = 2 * int64_t(sm_count());
+    int64_t n = std::min(blocks < want ? ceil_div(want, blocks) : 1, int64_t(kAttnMaxSplits));
+    while (n > 1 && split_bytes(int(n), n_tok, n_head, head_dim) > ws_bytes) --n;
+    return n;
+}
+
 SplitPlan plan_splits(int64_t n_tok, int64_t pos0, int64_t n_head, int64_t n_head_kv, int64_t head_dim,
                       size_t ws_bytes) {
-    const int64_t group = n_head / n_head_kv, tile = attn_tile(head_dim);
-    const int64_t tok_per_block = attn_rows(n_tok * group) / group;
-    const int64_t n_kv = pos0 + n_tok, blocks = ceil_div(n_tok, tok_per_block) * n_head_kv;
-    const int64_t want = 2 * int64_t(sm_count());
-    int64_t n = blocks < want ? ceil_div(want, blocks) : 1;
-    n = std::min({n, ceil_div(n_kv, tile), int64_t(kAttnMaxSplits)});
-    while (n > 1 && split_bytes(int(n), n_tok, n_head, head_dim) > ws_bytes) --n;  // the plan's own count is <= n
-    SplitPlan p;
-    p.split_len = ceil_div(ceil_div(n_kv, n), tile) * tile;
-    p.n_split = int(ceil_div(n_kv, p.split_len));
-    return p;
+    return splits_of(pos0 + n_tok, split_cap(n_tok, n_head, n_head_kv, head_dim, ws_bytes), attn_tile(head_dim));
 }
 
 template <int HD, int RP>
@@ -514,7 +534,7 @@ size_t attention_workspace_bytes(int64_t n_tok, int64_t pos0, int64_t n_head, in
 
 void attention(const float *q, const float *k_cache, const float *v_cache, int64_t n_tok, int64_t pos0, int64_t n_head,
                int64_t n_head_kv, int64_t head_dim, float scale, float *out, Workspace ws, cudaStream_t stream,
-               const float *sinks, int64_t window) {
+               const float *sinks, int64_t window, const int32_t *pos0_dev) {
     if (n_head_kv < 1 || n_head % n_head_kv != 0 || n_head / n_head_kv > kAttnMaxGroup || n_head_kv > 65535) {
         char msg[160];
         std::snprintf(msg, sizeof msg, "attention: %lld query heads over %lld KV heads (at most %d per KV head)",
@@ -534,10 +554,14 @@ void attention(const float *q, const float *k_cache, const float *v_cache, int64
     }
 
     const int group = int(n_head / n_head_kv);
-    const SplitPlan plan = plan_splits(n_tok, pos0, n_head, n_head_kv, head_dim, ws.ptr != nullptr ? ws.bytes : 0);
+    const size_t ws_bytes = ws.ptr != nullptr ? ws.bytes : 0;
+    // A position read on the device: the launch is sized for the cap and each block finds its plan.
+    const SplitPlan plan = pos0_dev != nullptr
+                               ? SplitPlan{int(split_cap(n_tok, n_head, n_head_kv, head_dim, ws_bytes)), 0}
+                               : plan_splits(n_tok, pos0, n_head, n_head_kv, head_dim, ws_bytes);
     CUDA_ASSERT(window >= 0);
     AttnArgs a{q, k_cache, v_cache, out, nullptr, nullptr, n_tok, pos0, n_head, n_head_kv, plan.split_len, group,
-               attn_rows(n_tok * group) / group, plan.n_split, scale, sinks, window};
+               attn_rows(n_tok * group) / group, plan.n_split, scale, sinks, window, pos0_dev, plan.n_split};
     if (plan.n_split > 1) {
         a.part_o = static_cast<float *>(ws.ptr);
         a.part_ml = reinterpret_cast<float *>(static_cast<uint8_t *>(ws.ptr) +
@@ -553,7 +577,7 @@ void attention(const float *q, const float *k_cache, const float *v_cache, int64
     }
     if (plan.n_split > 1)
         attention_merge_kernel<<<unsigned(n_tok * n_head), merge_threads(head_dim), 0, stream>>>(
-            a.part_o, a.part_ml, n_tok, n_head, int(head_dim), plan.n_split, out);
+            a.part_o, a.part_ml, n_tok, n_head, int(head_dim), plan.n_split, out, pos0_dev, attn_tile(head_dim));
     launch_check("attention", stream);
 }
 
@@ -598,7 +622,7 @@ void attention_latent(const float *q, const float *cache, int64_t n_tok, int64_t
     }
     if (plan.n_split > 1)
         attention_merge_kernel<<<unsigned(n_tok * n_head), merge_threads(dv), 0, stream>>>(
-            a.part_o, a.part_ml, n_tok, n_head, int(dv), plan.n_split, out);
+            a.part_o, a.part_ml, n_tok, n_head, int(dv), plan.n_split, out, nullptr, 0);
     launch_check("attention_latent", stream);
 }
 

@@ -24,10 +24,13 @@ size_t attention_workspace_bytes(int64_t n_tok, int64_t pos0, int64_t n_head, in
 /// softmax in F32. head_dim in {16, 32, 64, 128, 256}; n_head / n_head_kv <= 16 (others throw Error).
 /// ws: up to attention_workspace_bytes(...) (may be empty). Options as cpu::attention's (gpt-oss): sinks [n_head]
 /// F32 on the device, one extra unscaled score per query head in each row's denominator; window > 0: the query at
-/// position p sees positions (p - window, p] only. Asynchronous on `stream`.
+/// position p sees positions (p - window, p] only. pos0_dev non-null: pos0 is ignored and read on the device from
+/// *pos0_dev when the kernels run, with the same split plan (so the same result) as the host's for that position;
+/// the launch then does not depend on the position, as a CUDA graph replayed at every position needs. Asynchronous
+/// on `stream`.
 void attention(const float *q, const float *k_cache, const float *v_cache, int64_t n_tok, int64_t pos0, int64_t n_head,
                int64_t n_head_kv, int64_t head_dim, float scale, float *out, Workspace ws, cudaStream_t stream,
-               const float *sinks = nullptr, int64_t window = 0);
+               const float *sinks = nullptr, int64_t window = 0, const int32_t *pos0_dev = nullptr);
 
 /// Workspace bytes attention_latent needs for these sizes on the current device (0 when it does not split the keys).
 size_t attention_latent_workspace_bytes(int64_t n_tok, int64_t pos0, int64_t n_head, int64_t dv);

@@ -158,7 +158,14 @@ void CudaBackend::copy_d2h_async(void *dst, const void *src, size_t n_bytes, Str
 }
 
 void CudaBackend::event_record(Event event, Stream stream) {
-    check(cudaEventRecord(cuda_event(event), cuda_stream(stream)), "cudaEventRecord");
+    // On a stream being captured into a graph (decision 0142) the record is an external event node: recorded each
+    // time the graph runs, so the host may wait for a point inside a replayed graph.
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    check(cudaStreamIsCapturing(cuda_stream(stream), &capture), "cudaStreamIsCapturing");
+    check(cudaEventRecordWithFlags(cuda_event(event), cuda_stream(stream),
+                                   capture == cudaStreamCaptureStatusActive ? cudaEventRecordExternal
+                                                                            : cudaEventRecordDefault),
+          "cudaEventRecordWithFlags");
 }
 
 void CudaBackend::stream_wait_event(Stream stream, Event event) {

@@ -24,3 +24,20 @@ cudaError_t cudaDeviceGetPCIBusId(char *bus, int len, int) {
     std::snprintf(bus, size_t(len), "emulation");
     return cudaSuccess;
 }
+
+cudaError_t cudaStreamIsCapturing(cudaStream_t, cudaStreamCaptureStatus *status) {
+    *status = cudaStreamCaptureStatusNone;
+    return cudaSuccess;
+}
+cudaError_t cudaEventRecordWithFlags(cudaEvent_t event, cudaStream_t stream, unsigned) {
+    return cudaEventRecord(event, stream);
+}
+cudaError_t cudaStreamBeginCapture(cudaStream_t, cudaStreamCaptureMode) { return cudaErrorNotReady; }
+cudaError_t cudaStreamEndCapture(cudaStream_t, cudaGraph_t *) { return cudaErrorNotReady; }
+cudaError_t cudaGraphInstantiate(cudaGraphExec_t *, cudaGraph_t, unsigned long long) { return cudaErrorNotReady; }
+cudaError_t cudaGraphExecUpdate(cudaGraphExec_t, cudaGraph_t, cudaGraphExecUpdateResultInfo *) {
+    return cudaErrorNotReady;
+}
+cudaError_t cudaGraphLaunch(cudaGraphExec_t, cudaStream_t) { return cudaErrorNotReady; }
+cudaError_t cudaGraphDestroy(cudaGraph_t) { return cudaErrorNotReady; }
+cudaError_t cudaGraphExecDestroy(cudaGraphExec_t) { return cudaErrorNotReady; }
