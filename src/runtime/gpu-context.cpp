@@ -610,8 +610,15 @@ void GpuContext::forward_pass(const int32_t *tokens, int64_t n, std::span<const 
     } else if (graph) {
         graph_.begin_capture(stream());
         capturing_ = true;
-        queue_layers(n, runs, n_ints);
-        queue_head(0, n_rows);
+        try {
+            queue_layers(n, runs, n_ints);
+            queue_head(0, n_rows);
+        } catch (...) {
+            capturing_ = false;
+            graph_seq_ = -1;
+            graph_.abandon_capture(stream());
+            throw;
+        }
         capturing_ = false;
         graph_.end_capture(stream());
         graph_seq_ = runs[0].seq;

@@ -46,6 +46,13 @@ bool StreamGraph::end_capture(cudaStream_t stream) {
     return instantiated;
 }
 
+void StreamGraph::abandon_capture(cudaStream_t stream) noexcept {
+    cudaGraph_t graph = nullptr;
+    if (cudaStreamEndCapture(stream, &graph) == cudaSuccess && graph != nullptr) (void)cudaGraphDestroy(graph);
+    (void)cudaGetLastError();
+    reset();
+}
+
 void StreamGraph::launch(cudaStream_t stream) const { CUDA_CHECK(cudaGraphLaunch(exec_, stream)); }
 
 void StreamGraph::reset() noexcept {

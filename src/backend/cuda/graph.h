@@ -28,6 +28,9 @@ class StreamGraph {
     /// the same topology (only kernel and copy parameters changed), else instantiated anew. Returns true when it
     /// instantiated.
     bool end_capture(cudaStream_t stream);
+    /// Ends a capture begun on `stream` and drops what it recorded and the executable graph (an error while
+    /// capturing: the stream is usable again).
+    void abandon_capture(cudaStream_t stream) noexcept;
     /// Queues the executable graph on `stream` (ready() must hold).
     void launch(cudaStream_t stream) const;
     bool ready() const { return exec_ != nullptr; }
