@@ -598,7 +598,8 @@ void GpuContext::forward_pass(const int32_t *tokens, int64_t n, std::span<const 
         }
         n_ints += size_t(2 * hp.n_layer * n * hp.n_expert_used);
     }
-    const bool graph = graph_pass(n, runs, n_rows);
+    const bool resident = moe_->device_resident();  // one scan of the slot table a pass
+    const bool graph = resident && graph_pass(n, runs, n_rows);
     if (graph && graph_seq_ == runs[0].seq) {
         // The captured pass again: the same launches, with this pass's tokens and positions read on the device.
         for (int64_t il = hp.n_layer_dense; il < hp.n_layer; ++il) {
@@ -625,7 +626,7 @@ void GpuContext::forward_pass(const int32_t *tokens, int64_t n, std::span<const 
         graph_.launch(stream());
         ++graph_captures_;
     } else {
-        if (!moe_->device_resident()) graph_seq_ = -1;  // the slots may change: capture anew
+        if (!resident) graph_seq_ = -1;  // the slots may change: capture anew
         queue_layers(n, runs, n_ints);
     }
     for (const SeqRun &r : runs) n_past_[size_t(r.seq)] = r.pos0 + r.n;
@@ -642,8 +643,8 @@ void GpuContext::forward_pass(const int32_t *tokens, int64_t n, std::span<const 
 }
 
 bool GpuContext::graph_pass(int64_t n, std::span<const SeqRun> runs, int64_t n_rows) const {
-    return config_.cuda_graphs && cuda::StreamGraph::available() && n == 1 && runs.size() == 1 && n_rows == 1 && !model_.hp().mla && !routing_override &&
-           pinned_ != nullptr && step_routing_bytes_ > 0 && !cuda::sync_debug() && moe_->device_resident();
+    return config_.cuda_graphs && n == 1 && runs.size() == 1 && n_rows == 1 && !model_.hp().mla && !routing_override &&
+           pinned_ != nullptr && step_routing_bytes_ > 0 && !cuda::sync_debug() && cuda::StreamGraph::available();
 }
 
 void GpuContext::queue_layers(int64_t n, std::span<const SeqRun> runs, size_t n_ints) {

@@ -101,8 +101,9 @@ class GpuContext final : public Engine {
     /// The pass's work on the compute stream up to the head: the upload of n_ints ints of tok_host_, the layers.
     /// The host interleaves its MoE steps (waiting for routing), except while capturing_ (every step whole).
     void queue_layers(int64_t n, std::span<const SeqRun> runs, size_t n_ints);
-    /// The pass may run as the decode graph (decision 0142): one token of one run, one logits row, no MLA, every
-    /// MoE layer whole on the device from fixed slots (HybridMoe::device_resident), page-locked mirrors.
+    /// A pass of every MoE layer whole on the device from fixed slots (HybridMoe::device_resident, the caller's
+    /// check) may run as the decode graph (decision 0142): one token of one run, one logits row, no MLA,
+    /// page-locked mirrors, a runtime that captures graphs.
     bool graph_pass(int64_t n, std::span<const SeqRun> runs, int64_t n_rows) const;
     void attention_block(int64_t il, int64_t n, std::span<const SeqRun> runs);
     /// DeepSeek's MLA as runtime/context.cpp computes it (absorbed weights, latent cache), the per-head products
@@ -182,7 +183,7 @@ class GpuContext final : public Engine {
     // The decode graph (decision 0142): captured from a pass of sequence graph_seq_ (-1: none valid), replayed.
     cuda::StreamGraph graph_;
     int32_t graph_seq_ = -1;
-    bool capturing_ = false;   // queue_pass is being captured: nothing runs, the host must not wait
+    bool capturing_ = false;   // queue_layers is being captured: nothing runs, the host must not wait
     int64_t graph_captures_ = 0, graph_replays_ = 0;  // passes since reset_stats()
     int32_t *tok_host_ = nullptr;
     float *logits_host_ = nullptr;   // [kLogitRows][n_vocab]

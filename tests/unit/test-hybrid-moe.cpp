@@ -210,18 +210,18 @@ class HybridExecutor final : public ExpertExecutor {
     void run(int64_t layer, const float *x, const Routing &r, float *out) override {
         if (!pending_.empty() && layer <= pending_.back().layer) finish();  // a new pass
         device_.set_io(x, out, r.ids.data(), r.weights.data());
+        bool whole = false;
         if (replay && moe_.device_resident() && r.n_tok <= device_.device_hits_max_tokens()) {
             // As GpuContext's decode graph (decision 0142): the launches of a captured step again, without the
             // host's launch_device, which then only records the step.
             device_.launch_device_layer(int32_t(layer), r.n_tok, {}, {});
             moe_.replayed_device_layer(int32_t(layer));
             ++replayed;
-            const auto n = size_t(r.n_tok * model_.hp().n_embd);
-            pending_.push_back({int32_t(layer), std::vector<float>(x, x + n), r});
-            return;
+            whole = true;
+        } else {
+            whole = moe_.launch_device(int32_t(layer), r.n_tok, whole_steps) == DeviceLaunch::LAYER;
         }
-        const DeviceLaunch launched = moe_.launch_device(int32_t(layer), r.n_tok, whole_steps);
-        if (launched == DeviceLaunch::LAYER) {
+        if (whole) {
             const auto n = size_t(r.n_tok * model_.hp().n_embd);
             pending_.push_back({int32_t(layer), std::vector<float>(x, x + n), r});
             return;

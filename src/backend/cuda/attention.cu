@@ -65,12 +65,12 @@ struct AttnArgs {
     int64_t split_len;  // keys per split, a multiple of the tile
     int group;          // n_head / n_head_kv
     int tok_per_block;  // RP / group
-    int n_split;
+    int n_split;        // with pos0_dev: the cap, each block's plan made from the position (splits_of)
     float scale;
     const float *sinks;  // [n_head] or null (gpt-oss)
     int64_t window;      // > 0: row at position p sees (p - window, p]
-    const int32_t *pos0_dev;  // non-null: pos0 is read here and the split plan made from it (split_cap splits
-    int split_cap;            // at most), so that one launch serves every position (a CUDA graph's decode pass)
+    const int32_t *pos0_dev;  // non-null: pos0 is read here, so that one launch serves every position (a CUDA
+                              // graph's decode pass)
 };
 
 struct SplitPlan {
@@ -132,7 +132,7 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attention_kernel(const AttnAr
     const int G = a.group, kvh = int(blockIdx.y), split = int(blockIdx.z);
     const int64_t pos0 = a.pos0_dev != nullptr ? int64_t(*a.pos0_dev) : a.pos0;
     const SplitPlan plan =
-        a.pos0_dev != nullptr ? splits_of(pos0 + a.n_tok, a.split_cap, T) : SplitPlan{a.n_split, a.split_len};
+        a.pos0_dev != nullptr ? splits_of(pos0 + a.n_tok, a.n_split, T) : SplitPlan{a.n_split, a.split_len};
     if (split >= plan.n_split) return;  // a launch sized for the cap (uniform over the block)
     const int64_t t0 = int64_t(blockIdx.x) * a.tok_per_block;
     const int64_t n_tok_blk = min(int64_t(a.tok_per_block), a.n_tok - t0);
@@ -561,7 +561,7 @@ void attention(const float *q, const float *k_cache, const float *v_cache, int64
                                : plan_splits(n_tok, pos0, n_head, n_head_kv, head_dim, ws_bytes);
     CUDA_ASSERT(window >= 0);
     AttnArgs a{q, k_cache, v_cache, out, nullptr, nullptr, n_tok, pos0, n_head, n_head_kv, plan.split_len, group,
-               attn_rows(n_tok * group) / group, plan.n_split, scale, sinks, window, pos0_dev, plan.n_split};
+               attn_rows(n_tok * group) / group, plan.n_split, scale, sinks, window, pos0_dev};
     if (plan.n_split > 1) {
         a.part_o = static_cast<float *>(ws.ptr);
         a.part_ml = reinterpret_cast<float *>(static_cast<uint8_t *>(ws.ptr) +

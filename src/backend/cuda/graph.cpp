@@ -27,10 +27,9 @@ void StreamGraph::begin_capture(cudaStream_t stream) {
     CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
 }
 
-bool StreamGraph::end_capture(cudaStream_t stream) {
+void StreamGraph::end_capture(cudaStream_t stream) {
     cudaGraph_t graph = nullptr;
     CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-    bool instantiated = false;
     if (exec_ != nullptr) {
         cudaGraphExecUpdateResultInfo info{};
         if (cudaGraphExecUpdate(exec_, graph, &info) != cudaSuccess) {
@@ -38,12 +37,8 @@ bool StreamGraph::end_capture(cudaStream_t stream) {
             reset();
         }
     }
-    if (exec_ == nullptr) {
-        CUDA_CHECK(cudaGraphInstantiate(&exec_, graph, 0));
-        instantiated = true;
-    }
+    if (exec_ == nullptr) CUDA_CHECK(cudaGraphInstantiate(&exec_, graph, 0));
     CUDA_CHECK(cudaGraphDestroy(graph));
-    return instantiated;
 }
 
 void StreamGraph::abandon_capture(cudaStream_t stream) noexcept {

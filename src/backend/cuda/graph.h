@@ -25,9 +25,8 @@ class StreamGraph {
     /// page-locked; they are read when the graph runs.
     void begin_capture(cudaStream_t stream);
     /// Ends the capture begun on `stream` and makes it the executable graph: updated in place when the old one has
-    /// the same topology (only kernel and copy parameters changed), else instantiated anew. Returns true when it
-    /// instantiated.
-    bool end_capture(cudaStream_t stream);
+    /// the same topology (only kernel and copy parameters changed), else instantiated anew.
+    void end_capture(cudaStream_t stream);
     /// Ends a capture begun on `stream` and drops what it recorded and the executable graph (an error while
     /// capturing: the stream is usable again).
     void abandon_capture(cudaStream_t stream) noexcept;
