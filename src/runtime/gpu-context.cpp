@@ -259,6 +259,7 @@ void GpuContext::init() {
         k_new_ = params_.n_seq > 1 || graphs ? c.take<float>(size_t(nb * n_kv)) : nullptr;
         v_new_ = (params_.n_seq > 1 || graphs) && !hp.mla ? c.take<float>(size_t(nb * n_kv)) : nullptr;
         router_logits_ = c.take<float>(size_t(nb * E));
+        router_counter_ = c.take<unsigned>(1);
         routing_dev_ = c.take<uint8_t>(routing_block(nb).bytes);
         tok_dev_ = c.take<int32_t>(size_t(4 * nb + replay_ints));
         logits_dev_ = c.take<float>(size_t(kLogitRows * hp.n_vocab));
@@ -286,6 +287,8 @@ void GpuContext::init() {
     const std::vector<float> inv_freq =
         cpu::rope_inv_freq(rope_dims, hp.rope_freq_base, hp.rope_yarn ? &*hp.rope_yarn : nullptr);
     backend_->copy_h2d_async(rope_freq_, inv_freq.data(), inv_freq.size() * 4, compute_);
+    static constexpr unsigned kZero = 0;  // cuda::moe_router's counter starts at 0
+    backend_->copy_h2d_async(router_counter_, &kZero, sizeof kZero, compute_);
     if (hp.mla) {
         mla_w_host_.assign(size_t(L * 2 * H), nullptr);
         for (int32_t l = 0; l < L; ++l) {
@@ -509,8 +512,9 @@ void GpuContext::upload_weights() {
 // ---------------------------------------------------------------------------------------------------------------
 // forward pass
 
-void GpuContext::matmul(const DevMatrix &w, const float *x, int64_t n_tok, float *y) {
-    cuda::matmul(w.type, w.data, w.n_in, w.n_out, x, n_tok, y, ws_, stream());
+void GpuContext::matmul(const DevMatrix &w, const float *x, int64_t n_tok, float *y, const float *residual) {
+    const cuda::MatmulPart part{w.type, w.data, w.n_out, y, residual};
+    cuda::matmul_parts(std::span<const cuda::MatmulPart>(&part, 1), w.n_in, x, n_tok, ws_, stream());
 }
 
 void GpuContext::eval(std::span<const int32_t> tokens, bool all_logits) {
@@ -685,25 +689,39 @@ void GpuContext::attention_block(int64_t il, int64_t n, std::span<const SeqRun> 
     const cuda::MatmulPart qkv[3] = {{l.wq.type, l.wq.data, l.wq.n_out, q_}, {l.wk.type, l.wk.data, l.wk.n_out, k_new},
                                      {l.wv.type, l.wv.data, l.wv.n_out, v_new}};
     cuda::matmul_parts(qkv, hp.n_embd, hb_, n, ws_, s);  // one launch, the activations quantized once
-    if (hp.qkv_bias) {
-        cuda::add_bias(q_, l.bq, n, n_q, s);
-        cuda::add_bias(k_new, l.bk, n, n_kv, s);
-        cuda::add_bias(v_new, l.bv, n, n_kv, s);
-    }
-    if (hp.qk_norm == QkNorm::PER_HEAD) {
-        cuda::rms_norm(q_, l.q_norm, n * hp.n_head, hp.head_dim, hp.rms_eps, q_, s);
-        cuda::rms_norm(k_new, l.k_norm, n * hp.n_head_kv, hp.head_dim, hp.rms_eps, k_new, s);
-    } else if (hp.qk_norm == QkNorm::FULL) {
+    const float mscale = hp.rope_yarn ? hp.rope_yarn->mscale : 1.0f;
+    if (hp.qk_norm != QkNorm::FULL) {
+        // Biases, per-head norms, RoPE and the moves into the cache rows in one launch (decision 0143).
+        cuda::QkNormRopeArgs a;
+        a.q = q_;
+        a.k = k_new;
+        const bool move_v = !direct || hp.qkv_bias;  // direct values without a bias are in place already
+        a.v = move_v ? v_new : nullptr;
+        a.k_out = direct ? k_new : kc;
+        a.v_out = move_v ? (direct ? v_new : vc) : nullptr;
+        a.rows = direct ? nullptr : tok_dev_ + 2 * params_.n_batch;
+        if (hp.qkv_bias) a.bq = l.bq, a.bk = l.bk, a.bv = l.bv;
+        if (hp.qk_norm == QkNorm::PER_HEAD) a.q_norm = l.q_norm, a.k_norm = l.k_norm;
+        a.pos = pos;
+        a.inv_freq = rope_freq_;
+        a.n_head = hp.n_head, a.n_head_kv = hp.n_head_kv, a.head_dim = hp.head_dim;
+        a.eps = hp.rms_eps, a.mscale = mscale;
+        cuda::qk_norm_rope(a, n, hp.rope_mode, s);
+    } else {
+        if (hp.qkv_bias) {
+            cuda::add_bias(q_, l.bq, n, n_q, s);
+            cuda::add_bias(k_new, l.bk, n, n_kv, s);
+            cuda::add_bias(v_new, l.bv, n, n_kv, s);
+        }
         cuda::rms_norm(q_, l.q_norm, n, n_q, hp.rms_eps, q_, s);
         cuda::rms_norm(k_new, l.k_norm, n, n_kv, hp.rms_eps, k_new, s);
-    }
-    const float mscale = hp.rope_yarn ? hp.rope_yarn->mscale : 1.0f;
-    cuda::rope(q_, n, hp.n_head, hp.head_dim, hp.head_dim, pos, rope_freq_, mscale, hp.rope_mode, s);
-    cuda::rope(k_new, n, hp.n_head_kv, hp.head_dim, hp.head_dim, pos, rope_freq_, mscale, hp.rope_mode, s);
-    if (!direct) {
-        const int32_t *cache_rows = tok_dev_ + 2 * params_.n_batch;
-        cuda::scatter_rows(k_new_, n, n_kv, cache_rows, kc, s);
-        cuda::scatter_rows(v_new_, n, n_kv, cache_rows, vc, s);
+        cuda::rope(q_, n, hp.n_head, hp.head_dim, hp.head_dim, pos, rope_freq_, mscale, hp.rope_mode, s);
+        cuda::rope(k_new, n, hp.n_head_kv, hp.head_dim, hp.head_dim, pos, rope_freq_, mscale, hp.rope_mode, s);
+        if (!direct) {
+            const int32_t *cache_rows = tok_dev_ + 2 * params_.n_batch;
+            cuda::scatter_rows(k_new_, n, n_kv, cache_rows, kc, s);
+            cuda::scatter_rows(v_new_, n, n_kv, cache_rows, vc, s);
+        }
     }
     const int64_t n_q_row = hp.n_head * hp.head_dim;
     int64_t t0 = 0;
@@ -713,9 +731,13 @@ void GpuContext::attention_block(int64_t il, int64_t n, std::span<const SeqRun> 
                         s, l.attn_sinks, hp.window(il), capturing_ ? pos + t0 : nullptr);
         t0 += r.n;
     }
-    matmul(l.wo, attn_, n, tmp_);
-    if (l.bo) cuda::add_bias(tmp_, l.bo, n, hp.n_embd, s);
-    cuda::add(x_, tmp_, x_, n * hp.n_embd, s);
+    if (l.bo) {
+        matmul(l.wo, attn_, n, tmp_);
+        cuda::add_bias(tmp_, l.bo, n, hp.n_embd, s);
+        cuda::add(x_, tmp_, x_, n * hp.n_embd, s);
+    } else {
+        matmul(l.wo, attn_, n, x_, x_);  // onto the residual stream in place
+    }
 }
 
 void GpuContext::mla_heads(int64_t il, int which, const DevMatrix &m, const float *x, int64_t n, float *y) {
@@ -781,8 +803,7 @@ void GpuContext::mla_attention_block(int64_t il, int64_t n, std::span<const SeqR
     cuda::copy_heads(attn_, {H * r, r}, mla_in_, {r, n * r}, n, H, r, s);
     mla_heads(il, 1, l.wv_b, mla_in_, n, mla_out_);
     cuda::copy_heads(mla_out_, {dv, n * dv}, mla_v_, {H * dv, dv}, n, H, dv, s);
-    matmul(l.wo, mla_v_, n, tmp_);
-    cuda::add(x_, tmp_, x_, n * hp.n_embd, s);
+    matmul(l.wo, mla_v_, n, x_, x_);
 }
 
 void GpuContext::dense_ffn_block(int64_t il, int64_t n) {
@@ -795,8 +816,7 @@ void GpuContext::dense_ffn_block(int64_t il, int64_t n) {
                                          {l.ffn_up.type, l.ffn_up.data, l.ffn_up.n_out, ffn_u_}};
     cuda::matmul_parts(gate_up, hp.n_embd, hb_, n, ws_, s);
     cuda::swiglu(ffn_g_, ffn_u_, ffn_g_, n * hp.n_ff, s);
-    matmul(l.ffn_down, ffn_g_, n, tmp_);
-    cuda::add(x_, tmp_, x_, n * hp.n_embd, s);
+    matmul(l.ffn_down, ffn_g_, n, x_, x_);
 }
 
 void GpuContext::moe_block(int64_t il, int64_t n) {
@@ -809,13 +829,24 @@ void GpuContext::moe_block(int64_t il, int64_t n) {
 
     {
         const NvtxRange range("router and routing copy");
-        cuda::rms_norm(x_, l.ffn_norm, n, hp.n_embd, hp.rms_eps, h, stream());
-        matmul(l.gate_inp, h, n, router_logits_);
         cuda::RouterSpec spec = router_spec(hp);
         spec.logit_bias = l.gate_inp_b;
         spec.select_bias = l.exp_probs_b;
-        cuda::router_topk(router_logits_, n, hp.n_expert, k, spec, nullptr, reinterpret_cast<int32_t *>(routing_dev_ + b.ids),
-                          reinterpret_cast<float *>(routing_dev_ + b.weights), stream());
+        auto *ids = reinterpret_cast<int32_t *>(routing_dev_ + b.ids);
+        auto *weights = reinterpret_cast<float *>(routing_dev_ + b.weights);
+        if (l.gate_inp.type == DType::F32 && n <= cuda::kMoeRouterMaxTokens) {
+            // Norm, router and top-k in one launch, the same numbers as the three calls below (decision 0143).
+            cuda::MoeRouterArgs a;
+            a.x = x_, a.norm = l.ffn_norm, a.eps = hp.rms_eps, a.h = h;
+            a.w = static_cast<const float *>(l.gate_inp.data), a.logits = router_logits_;
+            a.ids = ids, a.weights = weights, a.counter = router_counter_;
+            a.n_tok = n, a.n_embd = hp.n_embd, a.n_expert = int32_t(hp.n_expert), a.k = int32_t(k);
+            cuda::moe_router(a, spec, stream());
+        } else {
+            cuda::rms_norm(x_, l.ffn_norm, n, hp.n_embd, hp.rms_eps, h, stream());
+            matmul(l.gate_inp, h, n, router_logits_);
+            cuda::router_topk(router_logits_, n, hp.n_expert, k, spec, nullptr, ids, weights, stream());
+        }
         if (hp.shared_expert_gate) {
             matmul(l.gate_inp_shexp, h, n, reinterpret_cast<float *>(routing_dev_ + b.shared_gate));
         }
@@ -834,12 +865,11 @@ void GpuContext::moe_block(int64_t il, int64_t n) {
             h, replayed ? tok_dev_ + replay_ids(il, n) : reinterpret_cast<const int32_t *>(routing_dev_ + b.ids),
             replayed ? reinterpret_cast<const float *>(tok_dev_ + replay_weights(il, n))
                      : reinterpret_cast<const float *>(routing_dev_ + b.weights),
-            tmp_);
+            x_, x_);  // the combine adds the MoE output to the residual stream in place
         const DeviceLaunch launched =
             routing_override ? DeviceLaunch::NONE : moe_->launch_device(int32_t(il), n, own_block);
         if (launched == DeviceLaunch::LAYER) {
             device_steps_.emplace_back(int32_t(il), n);
-            cuda::add(x_, tmp_, x_, n * hp.n_embd, stream());
             if (!capturing_) account_device_steps(false);  // those already copied, while the device works
             return;
         }
@@ -857,7 +887,6 @@ void GpuContext::moe_block(int64_t il, int64_t n) {
                               : std::span<const float>();
     const NvtxRange range("moe: plan, copies, GPU experts, prefetch, CPU experts, combine");
     moe_->run_layer(int32_t(il), h_host, routing_, shared_gate);
-    cuda::add(x_, tmp_, x_, n * hp.n_embd, stream());
 }
 
 void GpuContext::read_routing(int64_t il, int64_t n, const uint8_t *block) {

@@ -119,7 +119,9 @@ class GpuContext final : public Engine {
     /// After queue_head(r0, m): the pending whole steps' accounting while the head runs, then its m rows of logits
     /// into logits_out.
     void read_logits(int64_t m, float *logits_out);
-    void matmul(const DevMatrix &w, const float *x, int64_t n_tok, float *y);
+    /// y = W x ([n_tok] rows, cuda::matmul_parts on the compute stream), plus residual when given (may be y: the
+    /// sum in place, one launch on the GEMV path).
+    void matmul(const DevMatrix &w, const float *x, int64_t n_tok, float *y, const float *residual = nullptr);
     cudaStream_t stream() const { return CudaBackend::cuda_stream(compute_); }
 
     const Model &model_;
@@ -161,6 +163,7 @@ class GpuContext final : public Engine {
     std::vector<int32_t> mla_offsets_host_;
     float *ffn_g_ = nullptr, *ffn_u_ = nullptr;  // dense layers: [n_batch][n_ff]
     float *router_logits_ = nullptr;  // [n_batch][n_expert]
+    unsigned *router_counter_ = nullptr;  // cuda::moe_router's block tickets
     uint8_t *routing_dev_ = nullptr;  // RoutingBlock for n_batch tokens: h, ids, weights, shared gate logits
     float *k_new_ = nullptr;     // [n_batch][n_head_kv * head_dim] new keys of a pass of several runs or of a
     float *v_new_ = nullptr;     //   captured one (decision 0142), before the scatter into their sequences' cache

@@ -221,8 +221,8 @@ void CudaMoeDevice::launch_device_layer(int32_t layer, int64_t n_tok, std::span<
     resolve_and_run(layer, n_tok, index, data, true);
     const bool shared = shape_.n_ff_shexp > 0;
     if (shared) shared_expert(layer, n_tok, n_tok * shape_.top_k);
-    cuda::moe_combine(pairs_, step_pair_ids_dev_, step_weights_dev_, n_tok, shape_.top_k + shared, shape_.n_embd, false,
-                      out_dev_, stream());
+    cuda::moe_combine(pairs_, step_pair_ids_dev_, step_weights_dev_, n_tok, shape_.top_k + shared, shape_.n_embd,
+                      residual_dev_, out_dev_, stream());
 }
 
 void CudaMoeDevice::resolve_and_run(int32_t layer, int64_t n_tok, std::span<const int32_t> index,
@@ -279,8 +279,11 @@ void CudaMoeDevice::expert_ffn(const ExpertLayout &x, cuda::ExpertMatmul g, cons
     g.type2 = x.up_type;
     g.w2_dev = w.dev[1];
     g.w2_host = w.host[1];
+    // Plain SwiGLU experts take it in the gate/up product (decision 0143); biased experts (gpt-oss) carry their
+    // biases in their slot, after the matrices (ExpertLayout::bias_offset), added before their clamped SwiGLU.
+    const bool plain = x.bias_offset == 0 && !shape_.swiglu_oai;
+    g.glu = plain;
     cuda::expert_matmul(g, h_dev_, gate, ws_, st, cuda::MatmulPath::AUTO, up);
-    // Biased experts (gpt-oss) carry their biases in their slot, after the matrices (ExpertLayout::bias_offset).
     const int64_t n_groups = g.n_expert;
     if (x.bias_offset > 0) {
         cuda::add_group_bias(gate, x.n_ff, w.dev[0], x.bias_offset, g.offsets_dev, n_groups, st);
@@ -288,7 +291,7 @@ void CudaMoeDevice::expert_ffn(const ExpertLayout &x, cuda::ExpertMatmul g, cons
     }
     if (shape_.swiglu_oai) {
         cuda::swiglu_oai(gate, up, gate, n_pairs * x.n_ff, cpu::kSwigluOaiAlpha, cpu::kSwigluOaiLimit, st);
-    } else {
+    } else if (!plain) {
         cuda::swiglu(gate, up, gate, n_pairs * x.n_ff, st);
     }
     g.type = x.down_type;
@@ -298,6 +301,7 @@ void CudaMoeDevice::expert_ffn(const ExpertLayout &x, cuda::ExpertMatmul g, cons
     g.w_dev = w.dev[2];
     g.w_host = w.host[2];
     g.w2_dev = g.w2_host = nullptr;
+    g.glu = false;
     float *y = pairs_ + pair0 * shape_.n_embd;
     cuda::expert_matmul(g, gate, y, ws_, st);
     if (x.bias_offset > 0) {
@@ -312,7 +316,8 @@ void CudaMoeDevice::combine(const MoeStep &s) {
         backend_.copy_h2d_async(pairs_ + s.n_gpu_pairs * n_embd, cpu_out_host_, size_t(s.n_cpu_pairs * n_embd) * 4,
                                 compute_);
     }
-    cuda::moe_combine(pairs_, pair_ids_dev_, weights_dev_, s.n_tok, s.k_comb, n_embd, false, out_dev_, stream());
+    cuda::moe_combine(pairs_, pair_ids_dev_, weights_dev_, s.n_tok, s.k_comb, n_embd, residual_dev_, out_dev_,
+                      stream());
 }
 
 } // namespace prescope

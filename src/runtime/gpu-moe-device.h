@@ -56,12 +56,15 @@ class CudaMoeDevice final : public MoeDevice {
 
     /// The running layer's router input [n_tok][n_embd], its routed experts and their weights [n_tok][top_k]
     /// (read by launch_device_hits and launch_device_layer) and where combine writes [n_tok][n_embd], on the
-    /// device.
-    void set_layer(const float *h_dev, const int32_t *ids_dev, const float *weights_dev, float *out_dev) {
+    /// device: the MoE output, or with residual_dev (which may be out_dev itself) the residual stream plus it
+    /// (cuda::moe_combine).
+    void set_layer(const float *h_dev, const int32_t *ids_dev, const float *weights_dev, float *out_dev,
+                   const float *residual_dev = nullptr) {
         h_dev_ = h_dev;
         ids_dev_ = ids_dev;
         routing_weights_dev_ = weights_dev;
         out_dev_ = out_dev;
+        residual_dev_ = residual_dev;
     }
     uint64_t device_bytes() const { return device_bytes_; }
     uint64_t host_bytes() const { return host_bytes_; }
@@ -120,6 +123,7 @@ class CudaMoeDevice final : public MoeDevice {
     const float *h_dev_ = nullptr;
     const int32_t *ids_dev_ = nullptr;
     float *out_dev_ = nullptr;
+    const float *residual_dev_ = nullptr;
     // The device-resolved hit path: the slot table and the groups resolve_device_hits lists.
     const void **table_dev_ = nullptr;                      // [n_layers * n_experts]
     const void **hit_w_dev_ = nullptr;                      // [3][n_experts]: gate, up, down of each group

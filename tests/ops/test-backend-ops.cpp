@@ -295,25 +295,30 @@ struct MatmulCase : Case {
 
 /// matmul_parts: q, k and v style matrices of different heights over the same activations in one call. Each
 /// part against cpu::matmul, and bit for bit against cu::matmul of that part alone (the claim of matmul.cuh).
+/// With a residual part (index res >= 0): that part's y starts as random values and receives their sum with the
+/// product in place (the attention output projection onto the residual stream), against the part alone plus the
+/// host's one F32 addition: bit for bit on the GEMV path, within kTight on cuBLAS's (its beta = 1 epilogue).
 struct MatmulPartsCase : Case {
     DType type;
     int64_t n_in, n_tok;
     std::vector<int64_t> n_out;
     cu::MatmulPath path;
+    int res;
     std::vector<std::vector<uint8_t>> w;
-    std::vector<float> x;
+    std::vector<float> x, y0;
     std::vector<std::vector<float>> y_ref;
     std::vector<DevBuf> dw, dy, dy_alone;
     DevBuf dx, ws;
 
-    MatmulPartsCase(DType t, int64_t ni, std::vector<int64_t> no, int64_t nt, cu::MatmulPath p = cu::MatmulPath::AUTO)
-        : type(t), n_in(ni), n_tok(nt), n_out(std::move(no)), path(p) {}
+    MatmulPartsCase(DType t, int64_t ni, std::vector<int64_t> no, int64_t nt, cu::MatmulPath p = cu::MatmulPath::AUTO,
+                    int r = -1)
+        : type(t), n_in(ni), n_tok(nt), n_out(std::move(no)), path(p), res(r) {}
     std::string op() const override { return "matmul_parts"; }
     std::string vars() const override {
         std::string outs;
         for (int64_t o : n_out) outs += strf(outs.empty() ? "%lld" : "/%lld", (long long)o);
-        return strf("type=%s,n_in=%lld,n_out=%s,n_tok=%lld,path=%s", dtype_name(type), (long long)n_in, outs.c_str(),
-                    (long long)n_tok, path_name(path));
+        return strf("type=%s,n_in=%lld,n_out=%s,n_tok=%lld,path=%s%s", dtype_name(type), (long long)n_in, outs.c_str(),
+                    (long long)n_tok, path_name(path), res >= 0 ? strf(",residual=%d", res).c_str() : "");
     }
     void init(Rng &rng) override {
         size_t ws_bytes = 0;
@@ -328,20 +333,27 @@ struct MatmulPartsCase : Case {
         x = rng.floats(size_t(n_tok * n_in));
         dx = DevBuf(x);
         ws = DevBuf(ws_bytes);
+        if (res >= 0) y0 = rng.floats(size_t(n_tok * n_out[size_t(res)]), -4.0f, 4.0f);
     }
     void reference() override {
         y_ref.assign(n_out.size(), {});
         for (size_t z = 0; z < n_out.size(); ++z) {
             y_ref[z].resize(size_t(n_tok * n_out[z]));
             cpu::matmul(type, w[z].data(), n_in, n_out[z], x.data(), n_tok, y_ref[z].data());
+            if (int(z) == res) {
+                for (size_t i = 0; i < y0.size(); ++i) y_ref[z][i] = y0[i] + y_ref[z][i];
+            }
         }
     }
     void poison() override {
-        for (DevBuf &b : dy) b.poison();
+        for (size_t z = 0; z < dy.size(); ++z) int(z) == res ? dy[z].upload(y0.data()) : dy[z].poison();
     }
     void run() override {
         std::vector<cu::MatmulPart> parts;
-        for (size_t z = 0; z < n_out.size(); ++z) parts.push_back({type, dw[z].bytes_ptr(), n_out[z], dy[z].as<float>()});
+        for (size_t z = 0; z < n_out.size(); ++z) {
+            float *y = dy[z].as<float>();
+            parts.push_back({type, dw[z].bytes_ptr(), n_out[z], y, int(z) == res ? y : nullptr});
+        }
         cu::matmul_parts(parts, n_in, dx.as<float>(), n_tok, ws.workspace(), g_stream, path);
     }
     std::vector<Check> compare() override {
@@ -351,7 +363,15 @@ struct MatmulPartsCase : Case {
             c.push_back(nmse(strf("y%zu", z), got, y_ref[z], matmul_tol(type, resolved_path(type, n_tok, path))));
             cu::matmul(type, dw[z].bytes_ptr(), n_in, n_out[z], dx.as<float>(), n_tok, dy_alone[z].as<float>(),
                        ws.workspace(), g_stream, path);
-            c.push_back(exact(strf("y%zu=alone", z), got, dy_alone[z].download<float>()));
+            std::vector<float> alone = dy_alone[z].download<float>();
+            if (int(z) == res) {
+                for (size_t i = 0; i < alone.size(); ++i) alone[i] = y0[i] + alone[i];
+                if (resolved_path(type, n_tok, path) == cu::MatmulPath::CUBLAS) {  // cuBLAS's beta = 1 epilogue
+                    c.push_back(nmse(strf("y%zu=alone+residual", z), got, alone, kTight));
+                    continue;
+                }
+            }
+            c.push_back(exact(strf("y%zu=alone", z), got, alone));
         }
         return c;
     }
@@ -518,22 +538,25 @@ struct ExpertMatmulCase : Case {
 
 /// A whole routed-expert FFN on the GPU (gate and up with gather, SwiGLU, down, combine) against the
 /// same composition of CPU ops: checks that the pieces fit (pair order, combine indices).
+/// With glu, gate and up run as one ExpertMatmul with glu set (the SwiGLU in the product's epilogue), and the
+/// output must equal the separate product and swiglu bit for bit.
 struct MoeFfnCase : Case {
     DType type;
     int64_t n_embd, n_ff, n_expert, k, n_tok;
+    bool glu;
     PairLists p;
     std::vector<int32_t> ids;
     std::vector<float> x, wts, out_ref;
     ExpertSlots gate, up, down;
     DevBuf dx, dg, du, dd, dout, doff, drows, dpair, dw, ws;
 
-    MoeFfnCase(DType t, int64_t ne_, int64_t nf, int64_t nexp, int64_t kk, int64_t nt)
-        : type(t), n_embd(ne_), n_ff(nf), n_expert(nexp), k(kk), n_tok(nt) {}
+    MoeFfnCase(DType t, int64_t ne_, int64_t nf, int64_t nexp, int64_t kk, int64_t nt, bool gl = false)
+        : type(t), n_embd(ne_), n_ff(nf), n_expert(nexp), k(kk), n_tok(nt), glu(gl) {}
     std::string op() const override { return "moe_ffn"; }
     std::string vars() const override {
-        return strf("type=%s,n_embd=%lld,n_ff=%lld,experts=%lld,k=%lld,n_tok=%lld", dtype_name(type),
+        return strf("type=%s,n_embd=%lld,n_ff=%lld,experts=%lld,k=%lld,n_tok=%lld%s", dtype_name(type),
                     (long long)n_embd, (long long)n_ff, (long long)n_expert, (long long)k,
-                    (long long)n_tok);
+                    (long long)n_tok, glu ? ",glu" : "");
     }
     void init(Rng &rng) override {
         ids = random_routing(n_tok, k, n_expert, false, rng);
@@ -566,22 +589,31 @@ struct MoeFfnCase : Case {
     void poison() override {
         dg.poison(), du.poison(), dd.poison(), dout.poison();
     }
-    void run() override {
+    void run() override { run_ffn(glu); }
+    /// Gate and up in one call, as the runtime makes it (CudaMoeDevice::expert_ffn), the SwiGLU in that call
+    /// (fused) or after it.
+    void run_ffn(bool fused) {
         const int64_t np = int64_t(p.rows.size());
-        // Gate and up in one call, as the runtime makes it (CudaMoeDevice::launch_gpu).
         cu::ExpertMatmul gu = gate.group(type, n_embd, n_ff, p, doff, &drows);
         gu.type2 = type;
         gu.w2_dev = up.ptrs_dev.as<const void *const>(), gu.w2_host = up.ptrs.data();
+        gu.glu = fused;
         cu::expert_matmul(gu, dx.as<float>(), dg.as<float>(), ws.workspace(), g_stream, cu::MatmulPath::AUTO,
                           du.as<float>());
-        cu::swiglu(dg.as<float>(), du.as<float>(), dg.as<float>(), np * n_ff, g_stream);
+        if (!fused) cu::swiglu(dg.as<float>(), du.as<float>(), dg.as<float>(), np * n_ff, g_stream);
         cu::expert_matmul(down.group(type, n_ff, n_embd, p, doff, nullptr), dg.as<float>(), dd.as<float>(),
                           ws.workspace(), g_stream);
-        cu::moe_combine(dd.as<float>(), dpair.as<int32_t>(), dw.as<float>(), n_tok, k, n_embd, false, dout.as<float>(),
-                        g_stream);
+        cu::moe_combine(dd.as<float>(), dpair.as<int32_t>(), dw.as<float>(), n_tok, k, n_embd, nullptr,
+                        dout.as<float>(), g_stream);
     }
     std::vector<Check> compare() override {
-        return {nmse("out", dout.download<float>(), out_ref, 2.0 * expert_tol(type, p, cu::MatmulPath::AUTO))};
+        const std::vector<float> got = dout.download<float>();
+        std::vector<Check> c{nmse("out", got, out_ref, 2.0 * expert_tol(type, p, cu::MatmulPath::AUTO))};
+        if (glu) {
+            run_ffn(false);
+            c.push_back(exact("out=unfused", got, dout.download<float>()));
+        }
+        return c;
     }
     double bytes() const override {
         return 3.0 * double(p.active.size() * cu::row_bytes(type, n_embd) * size_t(n_ff)) + double(x.size() * 8);
@@ -678,6 +710,122 @@ struct RopeCase : Case {
     }
     std::vector<Check> compare() override { return {nmse("x", dx.download<float>(), y_ref, 1e-7)}; }
     double bytes() const override { return double(x.size() * 8); }
+};
+
+/// qk_norm_rope: a pass's q / k / v heads (optional biases, optional per-head norms) rotated and moved into cache
+/// rows (scattered, or in place), against the CPU ops in the runtime's order (add_bias, rms_norm per head, rope),
+/// and bit for bit against the CUDA ops it replaces (add_bias, rms_norm, rope, scatter_rows).
+struct QkNormRopeCase : Case {
+    int64_t n_tok, n_head, n_kv, head_dim;
+    cpu::RopeMode mode;
+    bool bias, norm, scatter;
+    int64_t n_cache = 0;  // rows of the destination cache (scatter)
+    std::vector<float> q, k, v, bq, bk, bv, qn, kn, q_ref, k_ref, v_ref, cache0;
+    std::vector<int32_t> pos, rows;
+    DevBuf dq, dk, dv, dkc, dvc, dbq, dbk, dbv, dqn, dkn, dpos, drows, dfreq;
+    QkNormRopeCase(int64_t nt, int64_t nh, int64_t nkv, int64_t hd, cpu::RopeMode m, bool b, bool nm, bool sc)
+        : n_tok(nt), n_head(nh), n_kv(nkv), head_dim(hd), mode(m), bias(b), norm(nm), scatter(sc) {}
+    std::string op() const override { return "qk_norm_rope"; }
+    std::string vars() const override {
+        return strf("n_tok=%lld,n_head=%lld,n_head_kv=%lld,head_dim=%lld,mode=%s%s%s%s", (long long)n_tok,
+                    (long long)n_head, (long long)n_kv, (long long)head_dim,
+                    mode == cpu::RopeMode::NORM ? "norm" : "neox", bias ? ",bias" : "", norm ? ",qk-norm" : "",
+                    scatter ? ",scatter" : ",in-place");
+    }
+    int64_t nq() const { return n_head * head_dim; }
+    int64_t nk() const { return n_kv * head_dim; }
+    void init(Rng &rng) override {
+        q = rng.floats(size_t(n_tok * nq())), k = rng.floats(size_t(n_tok * nk())), v = rng.floats(size_t(n_tok * nk()));
+        bq = rng.floats(size_t(nq())), bk = rng.floats(size_t(nk())), bv = rng.floats(size_t(nk()));
+        qn = rng.floats(size_t(head_dim), 0.5f, 1.5f), kn = rng.floats(size_t(head_dim), 0.5f, 1.5f);
+        pos.resize(size_t(n_tok));
+        for (int32_t &p : pos) p = rng.below(4096);
+        n_cache = scatter ? n_tok + 5 : n_tok;
+        rows.resize(size_t(n_tok));
+        std::vector<int32_t> perm(static_cast<size_t>(n_cache));
+        std::iota(perm.begin(), perm.end(), 0);
+        for (size_t i = perm.size(); i > 1; --i) std::swap(perm[i - 1], perm[size_t(rng.below(int(i)))]);
+        std::copy_n(perm.begin(), n_tok, rows.begin());
+        cache0 = rng.floats(size_t(n_cache * nk()));
+        dq = DevBuf(q), dk = DevBuf(k), dv = DevBuf(v), dbq = DevBuf(bq), dbk = DevBuf(bk), dbv = DevBuf(bv);
+        dqn = DevBuf(qn), dkn = DevBuf(kn), dpos = DevBuf(pos), drows = DevBuf(rows);
+        dkc = DevBuf(cache0), dvc = DevBuf(cache0);
+        dfreq = DevBuf(cpu::rope_inv_freq(head_dim, 1e6f));
+    }
+    void reference() override {
+        q_ref = q;
+        std::vector<float> kk = k, vv = v;
+        if (bias) {
+            cpu::add_bias(q_ref.data(), bq.data(), n_tok, nq());
+            cpu::add_bias(kk.data(), bk.data(), n_tok, nk());
+            cpu::add_bias(vv.data(), bv.data(), n_tok, nk());
+        }
+        if (norm) {
+            cpu::rms_norm(q_ref.data(), qn.data(), n_tok * n_head, head_dim, 1e-6f, q_ref.data());
+            cpu::rms_norm(kk.data(), kn.data(), n_tok * n_kv, head_dim, 1e-6f, kk.data());
+        }
+        cpu::rope(q_ref.data(), n_tok, n_head, head_dim, pos.data(), 1e6f, mode);
+        cpu::rope(kk.data(), n_tok, n_kv, head_dim, pos.data(), 1e6f, mode);
+        if (scatter) {
+            k_ref = v_ref = cache0;
+            for (int64_t t = 0; t < n_tok; ++t) {
+                std::copy_n(kk.data() + t * nk(), nk(), k_ref.data() + int64_t(rows[size_t(t)]) * nk());
+                std::copy_n(vv.data() + t * nk(), nk(), v_ref.data() + int64_t(rows[size_t(t)]) * nk());
+            }
+        } else {
+            k_ref = kk, v_ref = vv;
+        }
+    }
+    void poison() override {
+        dq.upload(q.data()), dk.upload(k.data()), dv.upload(v.data());
+        dkc.upload(cache0.data()), dvc.upload(cache0.data());
+    }
+    /// The fused call, or (fused == false) the ops it replaces, as GpuContext ran them before.
+    void run_ops(bool fused) {
+        float *kout = scatter ? dkc.as<float>() : dk.as<float>(), *vout = scatter ? dvc.as<float>() : dv.as<float>();
+        if (fused) {
+            cu::QkNormRopeArgs a;
+            a.q = dq.as<float>(), a.k = dk.as<float>(), a.k_out = kout;
+            if (scatter || bias) a.v = dv.as<float>(), a.v_out = vout;
+            if (bias) a.bq = dbq.as<float>(), a.bk = dbk.as<float>(), a.bv = dbv.as<float>();
+            if (norm) a.q_norm = dqn.as<float>(), a.k_norm = dkn.as<float>();
+            a.rows = scatter ? drows.as<int32_t>() : nullptr;
+            a.pos = dpos.as<int32_t>(), a.inv_freq = dfreq.as<float>();
+            a.n_head = n_head, a.n_head_kv = n_kv, a.head_dim = head_dim, a.eps = 1e-6f;
+            cu::qk_norm_rope(a, n_tok, mode, g_stream);
+            return;
+        }
+        if (bias) {
+            cu::add_bias(dq.as<float>(), dbq.as<float>(), n_tok, nq(), g_stream);
+            cu::add_bias(dk.as<float>(), dbk.as<float>(), n_tok, nk(), g_stream);
+            cu::add_bias(dv.as<float>(), dbv.as<float>(), n_tok, nk(), g_stream);
+        }
+        if (norm) {
+            cu::rms_norm(dq.as<float>(), dqn.as<float>(), n_tok * n_head, head_dim, 1e-6f, dq.as<float>(), g_stream);
+            cu::rms_norm(dk.as<float>(), dkn.as<float>(), n_tok * n_kv, head_dim, 1e-6f, dk.as<float>(), g_stream);
+        }
+        cu::rope(dq.as<float>(), n_tok, n_head, head_dim, head_dim, dpos.as<int32_t>(), dfreq.as<float>(), 1.0f, mode,
+                 g_stream);
+        cu::rope(dk.as<float>(), n_tok, n_kv, head_dim, head_dim, dpos.as<int32_t>(), dfreq.as<float>(), 1.0f, mode,
+                 g_stream);
+        if (scatter) {
+            cu::scatter_rows(dk.as<float>(), n_tok, nk(), drows.as<int32_t>(), kout, g_stream);
+            cu::scatter_rows(dv.as<float>(), n_tok, nk(), drows.as<int32_t>(), vout, g_stream);
+        }
+    }
+    void run() override { run_ops(true); }
+    std::vector<Check> compare() override {
+        const std::vector<float> gq = dq.download<float>();
+        const std::vector<float> gk = (scatter ? dkc : dk).download<float>(), gv = (scatter ? dvc : dv).download<float>();
+        std::vector<Check> c{nmse("q", gq, q_ref, 1e-7), nmse("k", gk, k_ref, 1e-7), nmse("v", gv, v_ref, kTight)};
+        poison();
+        run_ops(false);
+        c.push_back(exact("q=ops", gq, dq.download<float>()));
+        c.push_back(exact("k=ops", gk, (scatter ? dkc : dk).download<float>()));
+        c.push_back(exact("v=ops", gv, (scatter ? dvc : dv).download<float>()));
+        return c;
+    }
+    double bytes() const override { return double((q.size() + k.size() + v.size()) * 8); }
 };
 
 /// MLA attention (cu::attention_latent) against cpu::attention over the same rows as keys and values, of which
@@ -884,6 +1032,71 @@ struct RouterCase : Case {
     double bytes() const override { return double(logits.size() * 8 + size_t(n_tok * k) * 8); }
 };
 
+/// moe_router (norm, F32 router matmul, top-k in one launch) against the CPU's rms_norm, matmul and route, and
+/// bit for bit against the three CUDA calls it replaces; twice in a row (its block-ticket counter resets itself).
+struct MoeRouterCase : Case {
+    int64_t n_tok, n_embd, n_expert, k;
+    cpu::RouterSpec spec;
+    std::vector<float> x, norm, w, h_ref, w_ref;
+    std::vector<int32_t> ids_ref;
+    DevBuf dx, dnorm, dw, dh, dlogits, dids, dwts, dcounter, dh2, dlogits2, dids2, dwts2, ws;
+    MoeRouterCase(int64_t nt, int64_t ne_, int64_t nexp, int64_t kk, cpu::RouterSpec sp)
+        : n_tok(nt), n_embd(ne_), n_expert(nexp), k(kk), spec(sp) {}
+    std::string op() const override { return "moe_router"; }
+    std::string vars() const override {
+        return strf("n_tok=%lld,n_embd=%lld,n_expert=%lld,k=%lld,renorm=%d,softmax_topk=%d", (long long)n_tok,
+                    (long long)n_embd, (long long)n_expert, (long long)k, int(spec.renorm), int(spec.softmax_topk));
+    }
+    void init(Rng &rng) override {
+        x = rng.floats(size_t(n_tok * n_embd), -3.0f, 3.0f), norm = rng.floats(size_t(n_embd), 0.5f, 1.5f);
+        w = rng.floats(size_t(n_expert * n_embd), -0.2f, 0.2f);
+        dx = DevBuf(x), dnorm = DevBuf(norm), dw = DevBuf(w);
+        for (DevBuf *b : {&dh, &dh2}) *b = DevBuf(x.size() * 4);
+        for (DevBuf *b : {&dlogits, &dlogits2}) *b = DevBuf(size_t(n_tok * n_expert) * 4);
+        for (DevBuf *b : {&dids, &dids2, &dwts, &dwts2}) *b = DevBuf(size_t(n_tok * k) * 4);
+        dcounter = DevBuf(std::vector<uint32_t>{0});
+        ws = DevBuf(cu::matmul_workspace_bytes(DType::F32, n_embd, n_expert, n_tok));
+    }
+    void reference() override {
+        h_ref.resize(x.size());
+        cpu::rms_norm(x.data(), norm.data(), n_tok, n_embd, 1e-6f, h_ref.data());
+        std::vector<float> logits(size_t(n_tok * n_expert));
+        cpu::matmul(DType::F32, w.data(), n_embd, n_expert, h_ref.data(), n_tok, logits.data());
+        ids_ref.resize(size_t(n_tok * k)), w_ref.resize(size_t(n_tok * k));
+        cpu::route(spec, logits.data(), n_tok, n_expert, k, ids_ref.data(), w_ref.data());
+    }
+    void poison() override {
+        for (DevBuf *b : {&dh, &dlogits, &dids, &dwts}) b->poison();
+    }
+    void run() override {
+        cu::MoeRouterArgs a;
+        a.x = dx.as<float>(), a.norm = dnorm.as<float>(), a.eps = 1e-6f, a.h = dh.as<float>(), a.w = dw.as<float>();
+        a.logits = dlogits.as<float>(), a.ids = dids.as<int32_t>(), a.weights = dwts.as<float>();
+        a.counter = dcounter.as<unsigned>();
+        a.n_tok = n_tok, a.n_embd = n_embd, a.n_expert = int32_t(n_expert), a.k = int32_t(k);
+        cu::moe_router(a, spec, g_stream);
+    }
+    std::vector<Check> compare() override {
+        const std::vector<float> h = dh.download<float>(), logits = dlogits.download<float>(), wts = dwts.download<float>();
+        const std::vector<int32_t> ids = dids.download<int32_t>();
+        std::vector<Check> c{nmse("h", h, h_ref, kTight), exact("ids", ids, ids_ref), nmse("weights", wts, w_ref, kTight)};
+        cu::rms_norm(dx.as<float>(), dnorm.as<float>(), n_tok, n_embd, 1e-6f, dh2.as<float>(), g_stream);
+        cu::matmul(DType::F32, dw.as<float>(), n_embd, n_expert, dh2.as<float>(), n_tok, dlogits2.as<float>(),
+                   ws.workspace(), g_stream, cu::MatmulPath::GEMV);
+        cu::router_topk(dlogits2.as<float>(), n_tok, n_expert, k, spec, nullptr, dids2.as<int32_t>(), dwts2.as<float>(),
+                        g_stream);
+        c.push_back(exact("h=ops", h, dh2.download<float>()));
+        c.push_back(exact("logits=ops", logits, dlogits2.download<float>()));
+        c.push_back(exact("ids=ops", ids, dids2.download<int32_t>()));
+        c.push_back(exact("weights=ops", wts, dwts2.download<float>()));
+        run();  // again: the counter is back at 0
+        c.push_back(exact("again", dwts.download<float>(), wts));
+        c.push_back(exact("counter", dcounter.download<uint32_t>(), std::vector<uint32_t>{0}));
+        return c;
+    }
+    double bytes() const override { return double(w.size() * 4 + x.size() * 8); }
+};
+
 /// Elementwise ops: swiglu, add, scale_add, add_bias (one struct, the op picked by name).
 struct EltCase : Case {
     std::string name;
@@ -1051,17 +1264,19 @@ struct GroupBiasCase : Case {
     double bytes() const override { return double(y.size() * 8); }
 };
 
+/// With `residual`, out starts as random values and the combine adds onto them in place: the sum from 0, then
+/// the residual added (bit for bit the host's reference, which sums in the same order).
 struct CombineCase : Case {
     int64_t n_tok, k, n_embd;
-    bool accumulate;
+    bool residual;
     std::vector<float> y, wts, out0, out_ref;
     std::vector<int32_t> pair_of;
     DevBuf dy, dw, dpair, dout;
-    CombineCase(int64_t nt, int64_t kk, int64_t ne, bool acc) : n_tok(nt), k(kk), n_embd(ne), accumulate(acc) {}
+    CombineCase(int64_t nt, int64_t kk, int64_t ne, bool res) : n_tok(nt), k(kk), n_embd(ne), residual(res) {}
     std::string op() const override { return "moe_combine"; }
     std::string vars() const override {
-        return strf("n_tok=%lld,k=%lld,n_embd=%lld,accumulate=%d", (long long)n_tok, (long long)k,
-                    (long long)n_embd, int(accumulate));
+        return strf("n_tok=%lld,k=%lld,n_embd=%lld,residual=%d", (long long)n_tok, (long long)k,
+                    (long long)n_embd, int(residual));
     }
     void init(Rng &rng) override {
         const int64_t n_pairs = n_tok * k;
@@ -1075,7 +1290,7 @@ struct CombineCase : Case {
         dy = DevBuf(y), dw = DevBuf(wts), dpair = DevBuf(pair_of), dout = DevBuf(out0.size() * 4);
     }
     void reference() override {
-        out_ref = accumulate ? out0 : std::vector<float>(out0.size(), 0.0f);
+        out_ref.assign(out0.size(), 0.0f);
         for (int64_t t = 0; t < n_tok; ++t)
             for (int64_t j = 0; j < k; ++j) {
                 const int32_t p = pair_of[size_t(t * k + j)];
@@ -1083,14 +1298,17 @@ struct CombineCase : Case {
                 for (int64_t i = 0; i < n_embd; ++i)
                     out_ref[size_t(t * n_embd + i)] += wts[size_t(t * k + j)] * y[size_t(p * n_embd + i)];
             }
+        if (residual) {
+            for (size_t i = 0; i < out_ref.size(); ++i) out_ref[i] = out0[i] + out_ref[i];
+        }
     }
-    void poison() override { accumulate ? dout.upload(out0.data()) : dout.poison(); }
+    void poison() override { residual ? dout.upload(out0.data()) : dout.poison(); }
     void run() override {
-        cu::moe_combine(dy.as<float>(), dpair.as<int32_t>(), dw.as<float>(), n_tok, k, n_embd, accumulate,
-                        dout.as<float>(), g_stream);
+        cu::moe_combine(dy.as<float>(), dpair.as<int32_t>(), dw.as<float>(), n_tok, k, n_embd,
+                        residual ? dout.as<float>() : nullptr, dout.as<float>(), g_stream);
     }
     std::vector<Check> compare() override { return {nmse("out", dout.download<float>(), out_ref, kTight)}; }
-    double bytes() const override { return double(y.size() * 4 + out0.size() * (accumulate ? 8 : 4)); }
+    double bytes() const override { return double(y.size() * 4 + out0.size() * (residual ? 8 : 4)); }
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -1134,6 +1352,11 @@ CaseList test_cases() {
     add<MatmulPartsCase>(l, DType::Q4_K, 512, std::vector<int64_t>{96, 33}, 3);
     add<MatmulPartsCase>(l, DType::F32, 64, std::vector<int64_t>{32, 8, 8}, 2);
     add<MatmulPartsCase>(l, DType::BF16, 64, std::vector<int64_t>{40, 8}, 12, P::CUBLAS);
+    // the output projection onto the residual stream (in place), both paths; a residual part not first
+    add<MatmulPartsCase>(l, DType::Q8_0, 256, std::vector<int64_t>{64}, 1, P::AUTO, 0);
+    add<MatmulPartsCase>(l, DType::Q4_K, 512, std::vector<int64_t>{96}, 3, P::AUTO, 0);
+    add<MatmulPartsCase>(l, DType::Q8_0, 256, std::vector<int64_t>{64}, 40, P::CUBLAS, 0);
+    add<MatmulPartsCase>(l, DType::F32, 64, std::vector<int64_t>{32, 8, 8}, 1, P::AUTO, 2);
 
     for (DType t : {DType::Q8_0, DType::BF16, DType::F16, DType::F32}) {
         add<ExpertMatmulCase>(l, t, 2048, 768, 128, 8, 1, true);        // decode: 8 experts, 1 token
@@ -1176,6 +1399,11 @@ CaseList test_cases() {
     add<MoeFfnCase>(l, DType::Q8_0, 2048, 768, 128, 8, 48);
     add<MoeFfnCase>(l, DType::Q8_0, 256, 64, 32, 4, 17);
     add<MoeFfnCase>(l, DType::F32, 64, 32, 128, 8, 6);
+    // the SwiGLU in the gate/up product's epilogue: decode, a few tokens per expert, some experts on cuBLAS
+    add<MoeFfnCase>(l, DType::Q8_0, 2048, 768, 128, 8, 1, true);
+    add<MoeFfnCase>(l, DType::Q4_K, 256, 256, 32, 4, 17, true);
+    add<MoeFfnCase>(l, DType::Q8_0, 2048, 768, 128, 8, 48, true);
+    add<MoeFfnCase>(l, DType::F32, 64, 32, 128, 8, 6, true);
 
     for (auto [r, n] : {std::pair<int64_t, int64_t>{1, 2048}, {7, 2048}, {5 * 32, 128}, {3, 256}, {5, 100}, {2, 8192}})
         add<RmsNormCase>(l, r, n);
@@ -1191,6 +1419,13 @@ CaseList test_cases() {
         add<RopeCase>(l, 9, 4, 8, m, 1e4f, 3000, true, 24);   // MLA query rope parts, YaRN (tiny DeepSeek-V3)
         add<RopeCase>(l, 9, 1, 8, m, 1e4f, 3000, true, 40);   // MLA key rope part of the cached row
         add<RopeCase>(l, 5, 16, 64, m, 1e4f, 4000, true, 192);  // DeepSeek-V2-Lite queries
+    }
+
+    for (cpu::RopeMode m : {cpu::RopeMode::NORM, cpu::RopeMode::NEOX}) {
+        add<QkNormRopeCase>(l, 1, 32, 4, 128, m, false, true, false);   // Qwen3 decode, keys in place
+        add<QkNormRopeCase>(l, 1, 32, 4, 128, m, false, true, true);    // a captured decode pass
+        add<QkNormRopeCase>(l, 5, 8, 2, 64, m, true, false, true);      // biases (Qwen2-MoE, gpt-oss), no norm
+        add<QkNormRopeCase>(l, 3, 4, 4, 256, m, true, true, false);     // values biased in place
     }
 
     // A block takes 4, 8 or 16 query rows (tokens x heads of one KV head) and a split of the keys,
@@ -1254,6 +1489,15 @@ CaseList test_cases() {
     add<RouterCase>(l, 2, 256, 8, true);
     add<RouterCase>(l, 2, 1024, 32, false);
     add<RouterCase>(l, 16, 128, 8, true, true);  // equal probabilities: lower id first
+    {
+        cpu::RouterSpec renorm, mixtral, topk_softmax;
+        renorm.renorm = true;
+        topk_softmax.softmax_topk = true;  // gpt-oss's order of softmax and top-k
+        add<MoeRouterCase>(l, 1, 2048, 128, 8, renorm);   // Qwen3-30B-A3B decode
+        add<MoeRouterCase>(l, 1, 4096, 8, 2, renorm);     // Mixtral: one block
+        add<MoeRouterCase>(l, 3, 256, 32, 4, mixtral);    // demo-sized, several tokens
+        add<MoeRouterCase>(l, 8, 512, 60, 4, topk_softmax);
+    }
     {
         cpu::RouterSpec v3;  // DeepSeek-V3: sigmoid, selection bias, 8 groups keep 4, renorm, scale 2.5
         v3.score = cpu::RouterScore::SIGMOID, v3.n_group = 8, v3.n_group_used = 4, v3.renorm = true, v3.scale = 2.5f;

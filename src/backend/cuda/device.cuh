@@ -48,6 +48,17 @@ __device__ __forceinline__ float block_sum(float v, float *scratch) {
     return v;
 }
 
+/// The RMSNorm scale 1 / sqrt(mean(x^2) + eps) of the n floats at x (cpu::rms_norm's formula), as every thread of
+/// the block gets it: each thread's FMA chain over elements tid, tid + blockDim.x, ..., block_sum, the division
+/// and root in double. Kernels that share it agree bit for bit at equal block sizes (row_threads(n)).
+/// `scratch`: 32 floats of shared memory.
+__device__ __forceinline__ float rms_scale(const float *x, int64_t n, float eps, float *scratch) {
+    float sum = 0.0f;
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) sum = fmaf(x[i], x[i], sum);
+    sum = block_sum(sum, scratch);
+    return float(1.0 / sqrt(double(sum) / double(n) + double(eps)));
+}
+
 /// Maximum over the block; same contract as block_sum.
 __device__ __forceinline__ float block_max(float v, float *scratch) {
     const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, n_warps = blockDim.x / kWarp;

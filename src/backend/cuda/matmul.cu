@@ -6,6 +6,7 @@
 
 #include "backend/cuda/convert.cuh"
 #include "backend/cuda/device.cuh"
+#include "backend/cuda/elementwise.cuh"
 
 #include <algorithm>
 #include <climits>
@@ -60,11 +61,67 @@ struct MmvArgs {
     const int32_t *rows;        // [n_pairs] row of x of each pair, or nullptr: row p
     const float *x;             // [..][n_in]
     float *y[kMaxParts];        // [n_pairs][n_out[z]]
+    const float *res;           // [n_pairs][n_out[0]] added to part 0's products (may alias y[0]), or nullptr
     int64_t n_in;
     int64_t n_out[kMaxParts];
     int32_t n_tok;              // pairs when offsets == nullptr
     int32_t max_tok;            // groups with more pairs are left to the cuBLAS path
+    bool quant_in;              // x is F32: quantize each token's activations here (quantize_chunk)
+    bool glu;                   // parts 0 and 1 are gate and up: y[0] = silu(gate) * up (swiglu_kernel's
+                                // arithmetic), from one launch of n_out[0] / 4 row blocks
 };
+
+/// The activation type a weight type's vec-dot type quantizes as (core/dtype.h vec_dot_type; Q8_1's values are
+/// Q8_0's): Q8_K for the 256-element super-block types, Q8_0 for the others.
+template <DType T> constexpr DType kActType = block_elems(T) == QK_K ? DType::Q8_K : DType::Q8_0;
+
+/// Quantizes to A and back the activation block of which this lane holds 8 consecutive values v, bit for bit
+/// core/dtype.h's quantize_row_q8_0 / _q8_K then dequantize_row. A Q8_0 block spans 4 lanes (4i .. 4i + 3), a
+/// Q8_K block the whole warp, each lane holding the block's values 8 l .. 8 l + 7 (l = its lane in the block).
+/// Every lane of the warp must call it (the reductions shuffle over the warp).
+template <DType A>
+__device__ __forceinline__ void quantize_chunk(float v[kChunk]) {
+    constexpr int kLanes = A == DType::Q8_K ? kWarp : 4;
+    float amax = 0.0f;
+#pragma unroll
+    for (int k = 0; k < kChunk; ++k) amax = fmaxf(amax, fabsf(v[k]));
+#pragma unroll
+    for (int o = 1; o < kLanes; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    if constexpr (A == DType::Q8_0) {
+        // quantize_row_q8_0 / _q8_1: d = amax / 127, q = roundf(x / d), dequantized with d rounded to F16.
+        // The quants pass through int, as the CPU's int8 do, so that -0 becomes 0.
+        const float d = amax / 127.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        const float dh = __half2float(__float2half_rn(d));
+#pragma unroll
+        for (int k = 0; k < kChunk; ++k) v[k] = __fmul_rn(float(int(roundf(__fmul_rn(v[k], id)))), dh);
+    } else {
+        static_assert(A == DType::Q8_K);
+        // quantize_row_q8_K: the scale comes from the first element of largest magnitude, with its sign.
+        const int lane = int(threadIdx.x) % kWarp;
+        int first = INT_MAX;
+        float mx = 0.0f;
+#pragma unroll
+        for (int k = kChunk - 1; k >= 0; --k) {
+            if (fabsf(v[k]) == amax) first = lane * kChunk + k, mx = v[k];
+        }
+#pragma unroll
+        for (int o = kWarp / 2; o > 0; o >>= 1) {
+            const int of = __shfl_xor_sync(0xffffffffu, first, o);
+            const float om = __shfl_xor_sync(0xffffffffu, mx, o);
+            if (of < first) first = of, mx = om;
+        }
+        if (amax == 0.0f) {
+#pragma unroll
+            for (int k = 0; k < kChunk; ++k) v[k] = 0.0f;
+            return;
+        }
+        const float iscale = -127.0f / mx;
+        const float d = 1.0f / iscale;
+#pragma unroll
+        for (int k = 0; k < kChunk; ++k) v[k] = __fmul_rn(d, float(min(__float2int_rn(__fmul_rn(iscale, v[k])), 127)));
+    }
+}
 
 template <DType T, int NT>
 __global__ void __launch_bounds__(kMmvThreads, kMmvMinBlocks) mmv_kernel(const MmvArgs a) {
@@ -73,19 +130,25 @@ __global__ void __launch_bounds__(kMmvThreads, kMmvMinBlocks) mmv_kernel(const M
     const int32_t p_end = a.offsets != nullptr ? a.offsets[blockIdx.y + 1] : a.n_tok;
     if (p_end <= p_begin || p_end - p_begin > a.max_tok) return;  // uniform over the block
 
+    // The block's 8 staged rows: rows row0 .. row0 + 7 of part z, or (glu) gate and up rows alternating, so that
+    // each warp holds the gate and up rows of one output row.
     const int z = int(blockIdx.z);
-    const int64_t row0 = int64_t(blockIdx.x) * kMmvRows, n_out = a.n_out[z];
+    const int64_t n_out = a.n_out[z];
+    const int64_t row0 = int64_t(blockIdx.x) * (a.glu ? kMmvRows / 2 : kMmvRows);
     if (row0 >= n_out) return;  // a shorter part of the launch (uniform over the block)
-    const uint8_t *w = static_cast<const uint8_t *>(a.w_list[0] != nullptr ? a.w_list[z][blockIdx.y] : a.w[z]);
-    float *const y = a.y[z];
+    const auto matrix = [&](int part) {
+        return static_cast<const uint8_t *>(a.w_list[0] != nullptr ? a.w_list[part][blockIdx.y] : a.w[part]);
+    };
+    const uint8_t *const w0 = matrix(a.glu ? 0 : z), *const w1 = a.glu ? matrix(1) : w0;
+    const auto out_row = [&](int r) { return a.glu ? row0 + r / 2 : row0 + r; };  // staged row r's output row
     const size_t rb = row_bytes(T, a.n_in);
     const int64_t n_chunks = a.n_in / kChunk;
     const int n_slices = int(ceil_div(n_chunks, kSliceChunks<T>));
     const int warp = int(threadIdx.x) / kWarp, lane = int(threadIdx.x) % kWarp;
 
-    // Slice s of row r starts at this address in global memory.
+    // Slice s of staged row r starts at this address in global memory.
     const auto slice_src = [&](int r, int s) {
-        return reinterpret_cast<uintptr_t>(w + size_t(row0 + r) * rb +
+        return reinterpret_cast<uintptr_t>((a.glu && (r & 1) ? w1 : w0) + size_t(out_row(r)) * rb +
                                            row_bytes(T, int64_t(s) * kSliceChunks<T> * kChunk));
     };
     // Copies slice s of the block's rows into stage `buf` from 16-byte aligned addresses. Bytes
@@ -97,7 +160,7 @@ __global__ void __launch_bounds__(kMmvThreads, kMmvMinBlocks) mmv_kernel(const M
         constexpr int kPieces = kRowStride<T> / 16;
         for (int i = int(threadIdx.x); i < kMmvRows * kPieces; i += kMmvThreads) {
             const int r = i / kPieces, j = i % kPieces;
-            if (row0 + r >= n_out) break;  // i ascends, so do the rows
+            if (out_row(r) >= n_out) break;  // i ascends, so do the rows
             const uintptr_t src = slice_src(r, s), base = src & ~uintptr_t(15);
             if (uintptr_t(j) * 16 < src - base + nb)
                 cp_async_16(dst + r * kRowStride<T> + j * 16, reinterpret_cast<const void *>(base + uintptr_t(j) * 16));
@@ -132,18 +195,21 @@ __global__ void __launch_bounds__(kMmvThreads, kMmvMinBlocks) mmv_kernel(const M
 #pragma unroll
             for (int j = 0; j < kMmvRowsPerWarp; ++j) {
                 const int r = warp * kMmvRowsPerWarp + j;
-                srow[j] = row0 + r < n_out
+                srow[j] = out_row(r) < n_out
                               ? smem + (s & 1) * kStageBytes<T> + r * kRowStride<T> + (slice_src(r, s) & 15)
                               : nullptr;
             }
 #pragma unroll
             for (int i = 0; i < kLaneChunks<T>; ++i) {
+                // Whole quantization blocks of lanes stop together (n_in is a multiple of the block), but the
+                // shuffles of quantize_chunk need every lane: those past the row carry zeros.
+                if (c0 + i * kWarp >= n_chunks) break;  // uniform over the warp
                 const int cl = i * kWarp + lane;
-                if (c0 + cl >= n_chunks) break;
+                const bool on = c0 + cl < n_chunks;
                 float wv[kMmvRowsPerWarp][kChunk];
 #pragma unroll
                 for (int j = 0; j < kMmvRowsPerWarp; ++j) {
-                    if (srow[j] != nullptr) {
+                    if (on && srow[j] != nullptr) {
                         load_chunk<T>(srow[j], cl, wv[j]);
                     } else {
 #pragma unroll
@@ -152,10 +218,18 @@ __global__ void __launch_bounds__(kMmvThreads, kMmvMinBlocks) mmv_kernel(const M
                 }
 #pragma unroll
                 for (int t = 0; t < NT; ++t) {
-                    if (xr[t] == nullptr) continue;
-                    const float4 *xp = reinterpret_cast<const float4 *>(xr[t] + (c0 + cl) * kChunk);
-                    const float4 u = __ldg(xp), v = __ldg(xp + 1);
-                    const float xv[kChunk] = {u.x, u.y, u.z, u.w, v.x, v.y, v.z, v.w};
+                    if (xr[t] == nullptr) continue;  // uniform over the block
+                    float xv[kChunk] = {};
+                    if (on) {
+                        const float4 *xp = reinterpret_cast<const float4 *>(xr[t] + (c0 + cl) * kChunk);
+                        const float4 u = __ldg(xp), v = __ldg(xp + 1);
+                        xv[0] = u.x, xv[1] = u.y, xv[2] = u.z, xv[3] = u.w, xv[4] = v.x, xv[5] = v.y, xv[6] = v.z,
+                        xv[7] = v.w;
+                    }
+                    if constexpr (T != DType::F32 && T != DType::F16 && T != DType::BF16) {
+                        if (a.quant_in) quantize_chunk<kActType<T>>(xv);  // uniform over the block
+                    }
+                    if (!on) continue;
 #pragma unroll
                     for (int j = 0; j < kMmvRowsPerWarp; ++j)
 #pragma unroll
@@ -166,12 +240,23 @@ __global__ void __launch_bounds__(kMmvThreads, kMmvMinBlocks) mmv_kernel(const M
         }
 
 #pragma unroll
-        for (int j = 0; j < kMmvRowsPerWarp; ++j) {
-            const int64_t row = row0 + warp * kMmvRowsPerWarp + j;
+        for (int t = 0; t < NT; ++t) {
+            float v[kMmvRowsPerWarp];
 #pragma unroll
-            for (int t = 0; t < NT; ++t) {
-                const float v = warp_sum(acc[j][t]);
-                if (lane == t && row < n_out && p0 + t < p_end) y[int64_t(p0 + t) * n_out + row] = v;
+            for (int j = 0; j < kMmvRowsPerWarp; ++j) v[j] = warp_sum(acc[j][t]);
+            if (lane != t || p0 + t >= p_end) continue;
+            const int64_t p = p0 + t;
+            if (a.glu) {
+                const int64_t row = row0 + warp;
+                if (row < n_out) a.y[0][p * n_out + row] = v[0] / (1.0f + expf(-v[0])) * v[1];
+                continue;
+            }
+#pragma unroll
+            for (int j = 0; j < kMmvRowsPerWarp; ++j) {
+                const int64_t row = row0 + warp * kMmvRowsPerWarp + j;
+                if (row >= n_out) continue;
+                float *const y = a.y[z] + p * n_out + row;
+                *y = z == 0 && a.res != nullptr ? a.res[p * n_out + row] + v[j] : v[j];
             }
         }
     }
@@ -181,7 +266,8 @@ template <DType T>
 void launch_mmv(const MmvArgs &a, int n_group, int n_parts, int max_pairs, cudaStream_t stream) {
     int64_t n_out = 0;
     for (int z = 0; z < n_parts; ++z) n_out = a.n_out[z] > n_out ? a.n_out[z] : n_out;
-    const dim3 grid(unsigned(ceil_div(n_out, kMmvRows)), unsigned(n_group), unsigned(n_parts));
+    const dim3 grid(unsigned(ceil_div(n_out, a.glu ? kMmvRows / 2 : kMmvRows)), unsigned(n_group),
+                    unsigned(a.glu ? 1 : n_parts));
     constexpr int smem = kMmvSmemBytes<T>;
     if (max_pairs <= 1) {
         mmv_kernel<T, 1><<<grid, kMmvThreads, smem, stream>>>(a);
@@ -200,10 +286,9 @@ void launch_mmv(DType type, const MmvArgs &a, int n_group, int n_parts, int max_
 }
 
 // ---------------------------------------------------------------------------------------------
-// Activations quantized to the weights' vec-dot type and back (ActivationQuant::INT8): one warp per
-// block of 32 (Q8_0, Q8_1) or 256 (Q8_K, 8 per lane), the F32 operations of core/dtype.h's
-// quantize_row_q8_* and dequantize_row, so each value is bit for bit what the CPU's integer kernels
-// multiply.
+// Activations quantized to the weights' vec-dot type and back (ActivationQuant::INT8), for the products that do
+// not quantize in the GEMV kernel: each lane holds 8 consecutive values of a row (quantize_chunk), so a warp
+// covers 8 blocks of 32 (Q8_0, Q8_1) or one of 256 (Q8_K).
 
 constexpr int kQuantThreads = 256;
 
@@ -211,53 +296,20 @@ template <DType A>
 __global__ void __launch_bounds__(kQuantThreads)
     quantize_act_kernel(const float *__restrict__ x, const int32_t *__restrict__ rows, int64_t n, int64_t n_rows,
                         float *__restrict__ out) {
-    constexpr int kBlock = A == DType::Q8_K ? int(QK_K) : 32, kPer = kBlock / kWarp;
-    const int lane = int(threadIdx.x) % kWarp;
-    const int64_t blk = (int64_t(blockIdx.x) * kQuantThreads + threadIdx.x) / kWarp;
-    const int64_t per_row = n / kBlock;
-    if (blk >= n_rows * per_row) return;  // whole warps leave together
-    const int64_t r = blk / per_row, b = blk % per_row;
-    const float *src = x + (rows != nullptr ? int64_t(rows[r]) : r) * n + b * kBlock + lane * kPer;
-    float *dst = out + r * n + b * kBlock + lane * kPer;
-    float v[kPer], amax = 0.0f;
+    const int64_t per_row = n / kChunk;  // a multiple of the lanes of a block (n of the block size)
+    const int64_t c = int64_t(blockIdx.x) * kQuantThreads + threadIdx.x;
+    const bool on = c < n_rows * per_row;  // blocks past the last row carry zeros through the shuffles
+    const int64_t r = on ? c / per_row : 0, off = (c % per_row) * kChunk;
+    float v[kChunk] = {};
+    if (on) {
+        const float *src = x + (rows != nullptr ? int64_t(rows[r]) : r) * n + off;
 #pragma unroll
-    for (int i = 0; i < kPer; ++i) {
-        v[i] = src[i];
-        amax = fmaxf(amax, fabsf(v[i]));
+        for (int k = 0; k < kChunk; ++k) v[k] = src[k];
     }
-    amax = warp_max(amax);
-    if constexpr (A != DType::Q8_K) {
-        // quantize_row_q8_0 / _q8_1: d = amax / 127, q = roundf(x / d), dequantized with d rounded to F16.
-        // The quants pass through int, as the CPU's int8 do, so that -0 becomes 0.
-        const float d = amax / 127.0f;
-        const float id = d != 0.0f ? 1.0f / d : 0.0f;
-        const float dh = __half2float(__float2half_rn(d));
+    quantize_chunk<A>(v);
+    if (!on) return;
 #pragma unroll
-        for (int i = 0; i < kPer; ++i) dst[i] = __fmul_rn(float(int(roundf(__fmul_rn(v[i], id)))), dh);
-    } else {
-        // quantize_row_q8_K: the scale comes from the first element of largest magnitude, with its sign.
-        int first = INT_MAX;
-        float mx = 0.0f;
-#pragma unroll
-        for (int i = kPer - 1; i >= 0; --i) {
-            if (fabsf(v[i]) == amax) first = lane * kPer + i, mx = v[i];
-        }
-#pragma unroll
-        for (int o = kWarp / 2; o > 0; o >>= 1) {
-            const int of = __shfl_xor_sync(0xffffffffu, first, o);
-            const float om = __shfl_xor_sync(0xffffffffu, mx, o);
-            if (of < first) first = of, mx = om;
-        }
-        if (amax == 0.0f) {
-#pragma unroll
-            for (int i = 0; i < kPer; ++i) dst[i] = 0.0f;
-            return;
-        }
-        const float iscale = -127.0f / mx;
-        const float d = 1.0f / iscale;
-#pragma unroll
-        for (int i = 0; i < kPer; ++i) dst[i] = __fmul_rn(d, float(min(__float2int_rn(__fmul_rn(iscale, v[i])), 127)));
-    }
+    for (int k = 0; k < kChunk; ++k) out[r * n + off + k] = v[k];
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -298,28 +350,31 @@ size_t quant_bytes(DType type, int64_t n_in, int64_t n_rows) {
     return quantizes_activations(type) ? align_256(size_t(n_rows) * size_t(n_in) * 4) : 0;
 }
 
-// C[n_tok][ldc] (columns [0, m)) = A (m rows of k elements of type at) times B ([n_tok][k] of type at).
-void gemm(DType at, const void *a, int64_t m, int64_t n_tok, int64_t k, const void *b, float *c, int64_t ldc) {
+// C[n_tok][ldc] (columns [0, m)) = A (m rows of k elements of type at) times B ([n_tok][k] of type at), plus C's
+// old values when `add` (cuBLAS's beta = 1: one rounding of the sum, as add_kernel).
+void gemm(DType at, const void *a, int64_t m, int64_t n_tok, int64_t k, const void *b, float *c, int64_t ldc,
+          bool add) {
     CUDA_ASSERT(m < INT_MAX && n_tok < INT_MAX && k < INT_MAX && ldc < INT_MAX);
-    const float one = 1.0f, zero = 0.0f;
+    const float one = 1.0f, beta = add ? 1.0f : 0.0f;
     cublasHandle_t h = cublas_handle();
     if (at == DType::F32) {
         CUBLAS_CHECK(cublasSgemm(h, CUBLAS_OP_T, CUBLAS_OP_N, int(m), int(n_tok), int(k), &one,
-                                 static_cast<const float *>(a), int(k), static_cast<const float *>(b), int(k), &zero,
+                                 static_cast<const float *>(a), int(k), static_cast<const float *>(b), int(k), &beta,
                                  c, int(ldc)));
         return;
     }
     const cudaDataType_t dt = cuda_data_type(at);
     CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, int(m), int(n_tok), int(k), &one, a, dt, int(k), b, dt,
-                              int(k), &zero, c, CUDA_R_32F, int(ldc), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+                              int(k), &beta, c, CUDA_R_32F, int(ldc), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
 }
 
-// y = W xc for activations already converted to act_type(type); wb: dequant_bytes(...) of scratch.
+// y = W xc (+ y's old values when `add`) for activations already converted to act_type(type); wb:
+// dequant_bytes(...) of scratch.
 void gemm_converted(DType type, const void *w, int64_t n_in, int64_t n_out, const void *xc, int64_t n_tok, float *y,
-                    void *wb, cudaStream_t stream) {
+                    void *wb, cudaStream_t stream, bool add = false) {
     CUBLAS_CHECK(cublasSetStream(cublas_handle(), stream));
     if (!quantized(type)) {
-        gemm(type, w, n_out, n_tok, n_in, xc, y, n_out);
+        gemm(type, w, n_out, n_tok, n_in, xc, y, n_out, add);
         return;
     }
     const int64_t chunk = dequant_rows(n_in, n_out);
@@ -328,7 +383,7 @@ void gemm_converted(DType type, const void *w, int64_t n_in, int64_t n_out, cons
         const int64_t m = chunk < n_out - r0 ? chunk : n_out - r0;
         convert_rows(type, static_cast<const uint8_t *>(w) + size_t(r0) * rb, n_in, nullptr, m, m, DType::BF16, wb,
                      stream);
-        gemm(DType::BF16, wb, m, n_tok, n_in, xc, y + r0, n_out);
+        gemm(DType::BF16, wb, m, n_tok, n_in, xc, y + r0, n_out, add);
     }
 }
 
@@ -354,6 +409,7 @@ void check_weights(DType type, const void *w, int64_t n_in, int64_t n_out) {
 ExpertMatmul first_list(const ExpertMatmul &g) {
     ExpertMatmul a = g;
     a.w2_dev = a.w2_host = nullptr;
+    a.glu = false;
     return a;
 }
 
@@ -373,8 +429,7 @@ void quantize_activations(DType type, const float *x, const int32_t *rows, int64
     CUDA_ASSERT(a == DType::Q8_0 || a == DType::Q8_1 || a == DType::Q8_K);
     CUDA_ASSERT(n > 0 && n % block_elems(a) == 0 && n_rows >= 0);
     if (n_rows == 0) return;
-    const int64_t warps = n_rows * (n / block_elems(a));
-    const unsigned grid = unsigned(ceil_div(warps * kWarp, kQuantThreads));
+    const unsigned grid = unsigned(ceil_div(n_rows * (n / kChunk), kQuantThreads));
     if (a == DType::Q8_K) {
         quantize_act_kernel<DType::Q8_K><<<grid, kQuantThreads, 0, stream>>>(x, rows, n, n_rows, out);
     } else {
@@ -420,22 +475,32 @@ void matmul_parts(std::span<const MatmulPart> parts, int64_t n_in, const float *
     // Workspace: [activations quantized and back] [activations as act_type] [dequantized weights]; the parts
     // share the first two.
     auto *next = static_cast<uint8_t *>(ws.ptr);
-    if (quantizes_activations(type)) {
+    // One token's activations are quantized in the GEMV kernel itself (a launch less per product at decode).
+    const bool quant_in = quantizes_activations(type) && path == MatmulPath::GEMV && n_tok == 1;
+    if (quantizes_activations(type) && !quant_in) {
         quantize_activations(type, x, nullptr, n_in, n_tok, reinterpret_cast<float *>(next), stream);
         x = reinterpret_cast<const float *>(next);
         next += quant_bytes(type, n_in, n_tok);
     }
     if (path == MatmulPath::GEMV) {
+        // The parts with a residual go first: the kernel adds one to part 0 only.
+        const auto res = std::find_if(parts.begin(), parts.end(), [](const MatmulPart &m) { return m.residual; });
+        CUDA_ASSERT(std::count_if(parts.begin(), parts.end(), [](const MatmulPart &m) { return m.residual; }) <= 1);
+        MatmulPart order[kMaxParts];
+        std::copy(parts.begin(), parts.end(), order);
+        if (res != parts.end()) std::rotate(order, order + (res - parts.begin()), order + (res - parts.begin()) + 1);
         MmvArgs a{};
         for (size_t z = 0; z < parts.size(); ++z) {
-            a.w[z] = parts[z].w;
-            a.y[z] = parts[z].y;
-            a.n_out[z] = parts[z].n_out;
+            a.w[z] = order[z].w;
+            a.y[z] = order[z].y;
+            a.n_out[z] = order[z].n_out;
         }
+        a.res = order[0].residual;
         a.x = x;
         a.n_in = n_in;
         a.n_tok = int32_t(n_tok);
         a.max_tok = INT32_MAX;
+        a.quant_in = quant_in;
         launch_mmv(type, a, 1, int(parts.size()), int(n_tok), stream);
     } else {
         const void *xc = x;
@@ -444,7 +509,13 @@ void matmul_parts(std::span<const MatmulPart> parts, int64_t n_in, const float *
             xc = next;
             next += align_256(size_t(n_tok) * size_t(n_in) * elem_bytes(act_type(type)));
         }
-        for (const MatmulPart &m : parts) gemm_converted(type, m.w, n_in, m.n_out, xc, n_tok, m.y, next, stream);
+        for (const MatmulPart &m : parts) {
+            if (m.residual != nullptr && m.residual != m.y) {
+                CUDA_CHECK(cudaMemcpyAsync(m.y, m.residual, size_t(n_tok * m.n_out) * 4, cudaMemcpyDeviceToDevice,
+                                           stream));
+            }
+            gemm_converted(type, m.w, n_in, m.n_out, xc, n_tok, m.y, next, stream, m.residual != nullptr);
+        }
     }
     launch_check("matmul", stream);
 }
@@ -494,9 +565,11 @@ void expert_matmul(const ExpertMatmul &g, const float *x, float *y, Workspace ws
     CUDA_ASSERT(resolved || two == (g.w2_host != nullptr));
     CUDA_ASSERT(two == (y2 != nullptr));
     CUDA_ASSERT(reinterpret_cast<uintptr_t>(y2) % 16 == 0);
+    CUDA_ASSERT(!g.glu || two);
     if (two && g.type2 != g.type) {  // different activation quantizations: one call per list
         expert_matmul(first_list(g), x, y, ws, stream, path);
         expert_matmul(second_list(g), x, y2, ws, stream, path);
+        if (g.glu) swiglu(y, y2, y, expert_matmul_pairs(g) * g.n_out, stream);
         return;
     }
     path = resolve_path(path);
@@ -522,7 +595,9 @@ void expert_matmul(const ExpertMatmul &g, const float *x, float *y, Workspace ws
     // Workspace: [pair inputs quantized and back] [pair inputs as act_type] [dequantized weights].
     auto *next = static_cast<uint8_t *>(ws.ptr);
     const int32_t *rows = g.rows_dev;
-    if (quantizes_activations(g.type)) {
+    // Pairs of one token each, all on the GEMV path (every decode step): the kernel quantizes and gathers them.
+    const bool quant_in = quantizes_activations(g.type) && max_small <= 1 && !any_cublas;
+    if (quantizes_activations(g.type) && !quant_in) {
         // Gathered into pair order on the way, so the kernels below read row p for pair p.
         quantize_activations(g.type, x, rows, g.n_in, n_pairs, reinterpret_cast<float *>(next), stream);
         x = reinterpret_cast<const float *>(next);
@@ -541,6 +616,8 @@ void expert_matmul(const ExpertMatmul &g, const float *x, float *y, Workspace ws
         a.x = x;
         a.n_in = g.n_in;
         a.max_tok = limit;
+        a.quant_in = quant_in;
+        a.glu = g.glu && !any_cublas;
         launch_mmv(g.type, a, g.n_expert, two ? 2 : 1, max_small, stream);
     }
     if (any_cublas) {
@@ -557,6 +634,7 @@ void expert_matmul(const ExpertMatmul &g, const float *x, float *y, Workspace ws
             if (two)
                 gemm_converted(g.type, g.w2_host[e], g.n_in, g.n_out, xc, n, y2 + int64_t(p0) * g.n_out, next, stream);
         }
+        if (g.glu) swiglu(y, y2, y, n_pairs * g.n_out, stream);  // the GEMV groups' products are in y, y2 too
     }
     launch_check("expert_matmul", stream);
 }

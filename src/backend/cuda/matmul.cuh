@@ -53,12 +53,15 @@ void matmul(DType type, const void *w, int64_t n_in, int64_t n_out, const float 
             Workspace ws, cudaStream_t stream, MatmulPath path = MatmulPath::AUTO);
 
 /// One matrix of a matmul_parts call: n_out rows of the shared n_in of `type`, written to y ([n_tok][n_out] F32
-/// on the device, 16-byte aligned, overwritten).
+/// on the device, 16-byte aligned, overwritten). With `residual` ([n_tok][n_out] F32 on the device; y itself for
+/// the sum in place), y = residual + W x (at most one part of a call): on the GEMV path the sum rounded once as
+/// cuda::add rounds it, on the cuBLAS path by cuBLAS's beta = 1 epilogue.
 struct MatmulPart {
     DType type = DType::F32;
     const void *w = nullptr;
     int64_t n_out = 0;
     float *y = nullptr;
+    const float *residual = nullptr;
 };
 
 /// matmul for up to 3 matrices over the same activations (the q, k and v projections; a shared expert's gate
@@ -96,6 +99,10 @@ struct ExpertMatmul {
     // takes the GEMV path; groups past the last are empty.
     int64_t n_pairs_max = 0;
     int32_t max_group_pairs = 0;
+    // With the second list (gate and up of the same experts): y = silu(W x) * W2 x, with
+    // cuda::swiglu's arithmetic, in the GEMV kernel's epilogue when every group takes the GEMV path; y2 is then
+    // scratch (written only when the product and the SwiGLU run apart).
+    bool glu = false;
 };
 
 /// Most pairs a group of a device-resolved ExpertMatmul may have for weights of `type`: the GEMV path's
@@ -117,7 +124,9 @@ size_t expert_matmul_workspace_bytes(const ExpertMatmul &g, MatmulPath path = Ma
 /// (overwritten); alignment and dtype rules as for matmul. Experts with no pairs cost nothing.
 /// With g.w2_*: also y2[p] = W2_e x[rows[p]] ([n_pairs][n_out], required then, nullptr otherwise); when
 /// type2 == type in the same launches with the activations quantized once, else as a second call. y and y2
-/// each equal a call with that list alone bit for bit.
+/// each equal a call with that list alone bit for bit; with g.glu, y = swiglu(y, y2) of those.
+/// Pairs of at most one token per expert on the GEMV path (decode) quantize and gather their activations in
+/// the GEMV kernel, with quantize_activations's arithmetic.
 /// Asynchronous on `stream`.
 void expert_matmul(const ExpertMatmul &g, const float *x, float *y, Workspace ws, cudaStream_t stream,
                    MatmulPath path = MatmulPath::AUTO, float *y2 = nullptr);

@@ -45,21 +45,20 @@ __device__ __forceinline__ void warp_best(float &bv, int &bi, float &bw) {
     }
 }
 
+/// Token t's routing from its logits row, by one warp (lane l holds experts l, l + 32, ...): probs row t (or
+/// nullptr), ids and weights rows t. The row is read past L1 (__ldcg): in moe_router it was written by other
+/// blocks of the same launch.
 template <int L>
-__global__ void __launch_bounds__(kRouterWarps *kWarp)
-    router_topk_kernel(const float *__restrict__ logits, int64_t n_tok, int n_expert, int k, const RouterSpec spec,
-                       float *probs, int32_t *ids, float *weights) {
+__device__ __forceinline__ void route_token(const float *__restrict__ row, int64_t t, int n_expert, int k,
+                                            const RouterSpec &spec, float *probs, int32_t *ids, float *weights) {
     const int lane = int(threadIdx.x) % kWarp;
-    const int64_t t = int64_t(blockIdx.x) * kRouterWarps + threadIdx.x / kWarp;
-    if (t >= n_tok) return;  // whole warps leave together
-    const float *row = logits + t * n_expert;
 
     // Scores (the routing weights' source) in v, as moe_route computes them.
     float v[L];
 #pragma unroll
     for (int i = 0; i < L; ++i) {
         const int e = i * kWarp + lane;
-        v[i] = e < n_expert ? row[e] + (spec.logit_bias ? spec.logit_bias[e] : 0.0f) : -INFINITY;
+        v[i] = e < n_expert ? __ldcg(row + e) + (spec.logit_bias ? spec.logit_bias[e] : 0.0f) : -INFINITY;
     }
     if (spec.score == RouterScore::SOFTMAX) {
         float mx = -INFINITY;
@@ -177,6 +176,60 @@ __global__ void __launch_bounds__(kRouterWarps *kWarp)
     }
 }
 
+template <int L>
+__global__ void __launch_bounds__(kRouterWarps *kWarp)
+    router_topk_kernel(const float *__restrict__ logits, int64_t n_tok, int n_expert, int k, const RouterSpec spec,
+                       float *probs, int32_t *ids, float *weights) {
+    const int64_t t = int64_t(blockIdx.x) * kRouterWarps + threadIdx.x / kWarp;
+    if (t >= n_tok) return;  // whole warps leave together
+    route_token<L>(logits + t * n_expert, t, n_expert, k, spec, probs, ids, weights);
+}
+
+// moe_router: block (b, t) of row_threads(n_embd) threads normalizes token t's row (rms_scale, as rms_norm_kernel;
+// block (0, t) writes it to h) and computes the logits of experts b * W .. b * W + W - 1, W = its warps, one warp
+// per expert with the GEMV kernel's F32 chains (lane l: chunks of 8 at l, l + 32, ..., then warp_sum), so h and
+// the logits equal rms_norm + matmul bit for bit. The last block to finish (a ticket counter, reset by it for the
+// next launch) routes every token, as router_topk.
+template <int L>
+__global__ void __launch_bounds__(1024) moe_router_kernel(const MoeRouterArgs a, const RouterSpec spec) {
+    __shared__ float scratch[kWarp];
+    __shared__ bool last;
+    const int64_t t = blockIdx.y, n = a.n_embd;
+    const float *xr = a.x + t * n;
+    const float scale = rms_scale(xr, n, a.eps, scratch);
+    if (blockIdx.x == 0) {
+        for (int64_t i = threadIdx.x; i < n; i += blockDim.x) a.h[t * n + i] = a.norm[i] * (xr[i] * scale);
+    }
+    const int warp = int(threadIdx.x) / kWarp, lane = int(threadIdx.x) % kWarp, n_warps = int(blockDim.x) / kWarp;
+    const int e = int(blockIdx.x) * n_warps + warp;
+    if (e < a.n_expert) {
+        const float *w = a.w + int64_t(e) * n;
+        float acc = 0.0f;
+        for (int64_t c = lane; c < n / kChunk; c += kWarp) {
+            const float4 *wp = reinterpret_cast<const float4 *>(w + c * kChunk);
+            const float4 w0 = __ldg(wp), w1 = __ldg(wp + 1);
+            const float wv[kChunk] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+#pragma unroll
+            for (int k = 0; k < kChunk; ++k) {
+                const int64_t i = c * kChunk + k;
+                acc = fmaf(wv[k], a.norm[i] * (xr[i] * scale), acc);
+            }
+        }
+        acc = warp_sum(acc);
+        if (lane == 0) a.logits[t * a.n_expert + e] = acc;
+    }
+    // The last block routes: every block's logits are visible to it once its ticket is the last one.
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(a.counter, 1u) == gridDim.x * gridDim.y - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    for (int64_t tt = warp; tt < a.n_tok; tt += n_warps)
+        route_token<L>(a.logits + tt * a.n_expert, tt, a.n_expert, a.k, spec, nullptr, a.ids, a.weights);
+    if (threadIdx.x == 0) *a.counter = 0;
+}
+
 // ---------------------------------------------------------------------------------------------
 // combine: one thread per output element, the token's k slots read in order.
 
@@ -185,17 +238,17 @@ constexpr int64_t kMaxGridY = 65535;
 
 __global__ void __launch_bounds__(kCombineThreads)
     moe_combine_kernel(const float *__restrict__ y, const int32_t *__restrict__ pair_ids,
-                       const float *__restrict__ weights, int64_t n_tok, int k, int64_t n_embd, bool accumulate,
-                       float *__restrict__ out) {
+                       const float *__restrict__ weights, int64_t n_tok, int k, int64_t n_embd, const float *residual,
+                       float *out) {
     const int64_t i = int64_t(blockIdx.x) * kCombineThreads + threadIdx.x;
     if (i >= n_embd) return;
     for (int64_t t = blockIdx.y; t < n_tok; t += gridDim.y) {
-        float acc = accumulate ? out[t * n_embd + i] : 0.0f;
+        float acc = 0.0f;
         for (int j = 0; j < k; ++j) {
             const int32_t p = pair_ids[t * k + j];
             if (p >= 0) acc += weights[t * k + j] * y[int64_t(p) * n_embd + i];
         }
-        out[t * n_embd + i] = acc;
+        out[t * n_embd + i] = residual != nullptr ? residual[t * n_embd + i] + acc : acc;
     }
 }
 
@@ -297,8 +350,9 @@ void resolve_device_hits(const DeviceHitsArgs &args, const int32_t *index, const
     launch_check("resolve_device_hits", stream);
 }
 
-void router_topk(const float *logits, int64_t n_tok, int64_t n_expert, int64_t k, const RouterSpec &spec,
-                 float *probs, int32_t *ids, float *weights, cudaStream_t stream) {
+namespace {
+
+void check_router(int64_t n_expert, int64_t k, const RouterSpec &spec) {
     if (n_expert < 1 || n_expert > 32 * kWarp) cuda_unsupported("router_topk: n_expert must be 1..1024");
     if (k < 1 || k > kRouterMaxK || k > n_expert) cuda_unsupported("router_topk: k must be 1..min(32, n_expert)");
     if (spec.n_group < 1 || spec.n_group > kWarp || n_expert % spec.n_group != 0 || n_expert / spec.n_group < 2 ||
@@ -306,15 +360,11 @@ void router_topk(const float *logits, int64_t n_tok, int64_t n_expert, int64_t k
         cuda_unsupported("router_topk: expert groups must be 1..32, divide n_expert into groups of >= 2, and keep "
                          "1..n_group of them");
     }
-    if (n_tok <= 0) return;
-    const unsigned grid = unsigned(ceil_div(n_tok, kRouterWarps));
-    const int ne = int(n_expert), kk = int(k);
-    const int threads = kRouterWarps * kWarp;
+}
+
+/// run(std::integral_constant<int, L>{}) for the register slots per lane n_expert needs (L * 32 >= n_expert).
+template <class F> void dispatch_slots(int64_t n_expert, F &&run) {
     const int slots = int(ceil_div(n_expert, kWarp));
-    auto run = [&](auto l) {
-        constexpr int L = decltype(l)::value;
-        router_topk_kernel<L><<<grid, threads, 0, stream>>>(logits, n_tok, ne, kk, spec, probs, ids, weights);
-    };
     if (slots <= 1) {
         run(std::integral_constant<int, 1>{});
     } else if (slots <= 2) {
@@ -328,7 +378,35 @@ void router_topk(const float *logits, int64_t n_tok, int64_t n_expert, int64_t k
     } else {
         run(std::integral_constant<int, 32>{});
     }
+}
+
+} // namespace
+
+void router_topk(const float *logits, int64_t n_tok, int64_t n_expert, int64_t k, const RouterSpec &spec,
+                 float *probs, int32_t *ids, float *weights, cudaStream_t stream) {
+    check_router(n_expert, k, spec);
+    if (n_tok <= 0) return;
+    const unsigned grid = unsigned(ceil_div(n_tok, kRouterWarps));
+    const int ne = int(n_expert), kk = int(k);
+    const int threads = kRouterWarps * kWarp;
+    dispatch_slots(n_expert, [&](auto l) {
+        constexpr int L = decltype(l)::value;
+        router_topk_kernel<L><<<grid, threads, 0, stream>>>(logits, n_tok, ne, kk, spec, probs, ids, weights);
+    });
     launch_check("router_topk", stream);
+}
+
+void moe_router(const MoeRouterArgs &a, const RouterSpec &spec, cudaStream_t stream) {
+    check_router(a.n_expert, a.k, spec);
+    CUDA_ASSERT(a.n_tok >= 1 && a.n_tok <= kMoeRouterMaxTokens && a.n_embd > 0 && a.n_embd % kChunk == 0);
+    CUDA_ASSERT(reinterpret_cast<uintptr_t>(a.w) % 16 == 0 && a.counter != nullptr);
+    const int threads = row_threads(a.n_embd);  // rms_norm_kernel's block, for its scale bit for bit
+    const dim3 grid(unsigned(ceil_div(a.n_expert, threads / kWarp)), unsigned(a.n_tok));
+    dispatch_slots(a.n_expert, [&](auto l) {
+        constexpr int L = decltype(l)::value;
+        moe_router_kernel<L><<<grid, threads, 0, stream>>>(a, spec);
+    });
+    launch_check("moe_router", stream);
 }
 
 namespace {
@@ -356,11 +434,11 @@ void add_group_bias(float *y, int64_t n, const void *const *base, uint64_t bias_
 }
 
 void moe_combine(const float *y, const int32_t *pair_ids, const float *weights, int64_t n_tok, int64_t k,
-                 int64_t n_embd, bool accumulate, float *out, cudaStream_t stream) {
+                 int64_t n_embd, const float *residual, float *out, cudaStream_t stream) {
     CUDA_ASSERT(k >= 1 && k < INT_MAX && n_embd > 0 && n_tok >= 0);
     if (n_tok == 0) return;
     const dim3 grid(unsigned(ceil_div(n_embd, kCombineThreads)), unsigned(n_tok < kMaxGridY ? n_tok : kMaxGridY));
-    moe_combine_kernel<<<grid, kCombineThreads, 0, stream>>>(y, pair_ids, weights, n_tok, int(k), n_embd, accumulate,
+    moe_combine_kernel<<<grid, kCombineThreads, 0, stream>>>(y, pair_ids, weights, n_tok, int(k), n_embd, residual,
                                                              out);
     launch_check("moe_combine", stream);
 }

@@ -24,14 +24,40 @@ using RouterSpec = cpu::RouterSpec;
 void router_topk(const float *logits, int64_t n_tok, int64_t n_expert, int64_t k, const RouterSpec &spec,
                  float *probs, int32_t *ids, float *weights, cudaStream_t stream);
 
-/// out[t] = sum_{j < k} weights[t][j] * y[pair_ids[t][j]] for t < n_tok, summed in ascending j (the
-/// top-k order the CPU executor sums in); with `accumulate`, the sum starts from out[t] instead of 0.
+/// A decode pass's router in one launch (decision 0143): the MoE block's RMSNorm, the F32 router matmul and
+/// router_topk. All pointers on the device.
+struct MoeRouterArgs {
+    const float *x = nullptr;      // [n_tok][n_embd] residual stream
+    const float *norm = nullptr;   // [n_embd] the block's RMSNorm weights
+    float eps = 0.0f;
+    float *h = nullptr;            // [n_tok][n_embd] out: the normalized rows (the experts' input)
+    const float *w = nullptr;      // [n_expert][n_embd] F32 router matrix
+    float *logits = nullptr;       // [n_tok][n_expert] out
+    int32_t *ids = nullptr;        // [n_tok][k] out, as router_topk
+    float *weights = nullptr;      // [n_tok][k] out
+    unsigned *counter = nullptr;   // one word, 0 before the call and after it (the launch's block tickets)
+    int64_t n_tok = 0, n_embd = 0;
+    int32_t n_expert = 0, k = 0;
+};
+
+/// Most tokens moe_router takes (its last block routes them all).
+constexpr int64_t kMoeRouterMaxTokens = 8;
+
+/// h = rms_norm(x, norm, eps); logits = h W^T; ids, weights = router_topk(logits, spec): bit for bit those three
+/// calls (rms_norm; matmul's GEMV path, F32 weights; router_topk without probs). n_tok in
+/// [1, kMoeRouterMaxTokens], n_embd a multiple of 8, w 16-byte aligned; n_expert, k and spec as router_topk
+/// requires (else throws Error). Calls on one counter must not overlap (one stream). Asynchronous on `stream`.
+void moe_router(const MoeRouterArgs &args, const RouterSpec &spec, cudaStream_t stream);
+
+/// out[t] = sum_{j < k} weights[t][j] * y[pair_ids[t][j]] for t < n_tok, summed from 0 in ascending j (the
+/// top-k order the CPU executor sums in); with `residual` ([n_tok][n_embd], may be out itself), out[t] =
+/// residual[t] + that sum, rounded as cuda::add rounds it (the MoE output onto the residual stream).
 /// pair_ids[t][j] < 0 skips that slot (its expert ran elsewhere, e.g. on the CPU, and the caller adds
 /// its share). y: [n_pairs][n_embd] expert outputs in pair order (expert_matmul's y); out:
 /// [n_tok][n_embd]; pair_ids, weights: [n_tok][k]; all F32/int32 on the device; out must not alias y.
 /// Asynchronous on `stream`.
 void moe_combine(const float *y, const int32_t *pair_ids, const float *weights, int64_t n_tok, int64_t k,
-                 int64_t n_embd, bool accumulate, float *out, cudaStream_t stream);
+                 int64_t n_embd, const float *residual, float *out, cudaStream_t stream);
 
 /// y[p][i] += bias_g[i] for every pair p of group g (p in [offsets[g], offsets[g + 1])) and i < n, where bias_g is
 /// the F32 vector at byte `bias_offset` from base[g]: the biases an expert carries in its slot (ExpertLayout's

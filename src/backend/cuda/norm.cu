@@ -13,10 +13,7 @@ __global__ void rms_norm_kernel(const float *x, const float *__restrict__ w, int
     __shared__ float scratch[kWarp];
     const float *xr = x + int64_t(blockIdx.x) * stride;
     float *yr = y + int64_t(blockIdx.x) * stride;
-    float sum = 0.0f;
-    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) sum = fmaf(xr[i], xr[i], sum);
-    sum = block_sum(sum, scratch);  // also orders every read of x before the writes below (y may alias x)
-    const float scale = float(1.0 / sqrt(double(sum) / double(n) + double(eps)));
+    const float scale = rms_scale(xr, n, eps, scratch);  // its block_sum orders every read of x before the writes
     for (int64_t i = threadIdx.x; i < n; i += blockDim.x) yr[i] = w[i] * (xr[i] * scale);
 }
 

@@ -77,6 +77,14 @@ template <class T> T emu_shfl(T v, unsigned src) {
 template <class T> T __shfl_xor_sync(unsigned, T v, int o) { return emu_shfl(v, (threadIdx.x % 32) ^ unsigned(o)); }
 template <class T> T __shfl_sync(unsigned, T v, int src_lane) { return emu_shfl(v, unsigned(src_lane)); }
 template <class T> T __ldg(const T *p) { return *p; }
+template <class T> T __ldcg(const T *p) { return *p; }
+// Blocks run one after another on one OS thread: fences order nothing more, atomics need no lock.
+inline void __threadfence() {}
+template <class T> T atomicAdd(T *p, T v) {
+    const T old = *p;
+    *p = old + v;
+    return old;
+}
 template <class T> T *emu_dyn_smem() { return reinterpret_cast<T *>(emu_block->smem.data()); }
 
 inline float __uint_as_float(uint32_t u) {
