@@ -69,7 +69,14 @@ struct MmvArgs {
     bool quant_in;              // x is F32: quantize each token's activations here (quantize_chunk)
     bool glu;                   // parts 0 and 1 are gate and up: y[0] = silu(gate) * up (swiglu_kernel's
                                 // arithmetic), from one launch of n_out[0] / 4 row blocks
+    bool int_dot;               // (set by launch_mmv) Q8_0 weights, one token, quant_in: integer dot products
 };
+
+// The integer path of one-token Q8_0 products (MmvArgs::int_dot): the block quantizes the token's activations once
+// into shared memory, after its weight stages: int8 quants [n_in] then an F32 scale per 32 ([n_in / 32]), so the
+// products are dp4a over the stored bytes (ggml's vec_dot_q8_0_q8_0, the CPU's integer kernels).
+constexpr int64_t kIntDotMaxIn = 16384;  // shared memory: the stages and 1.125 bytes per input within 48 KiB
+constexpr size_t int_dot_smem_bytes(int64_t n_in) { return size_t((n_in + 15) / 16 * 16 + n_in / 32 * 4); }
 
 /// The activation type a weight type's vec-dot type quantizes as (core/dtype.h vec_dot_type; Q8_1's values are
 /// Q8_0's): Q8_K for the 256-element super-block types, Q8_0 for the others.
@@ -79,23 +86,36 @@ template <DType T> constexpr DType kActType = block_elems(T) == QK_K ? DType::Q8
 /// core/dtype.h's quantize_row_q8_0 / _q8_K then dequantize_row. A Q8_0 block spans 4 lanes (4i .. 4i + 3), a
 /// Q8_K block the whole warp, each lane holding the block's values 8 l .. 8 l + 7 (l = its lane in the block).
 /// Every lane of the warp must call it (the reductions shuffle over the warp).
-template <DType A>
-__device__ __forceinline__ void quantize_chunk(float v[kChunk]) {
-    constexpr int kLanes = A == DType::Q8_K ? kWarp : 4;
+/// quantize_row_q8_0's quants q of this lane's 8 values v of a block of 32 that spans lanes 4i .. 4i + 3 (d = amax /
+/// 127, q = roundf(x / d)); returns d rounded to F16, the scale they are dequantized with. Every lane of the warp
+/// must call it.
+__device__ __forceinline__ float quantize_chunk_q8_0(const float v[kChunk], int q[kChunk]) {
     float amax = 0.0f;
 #pragma unroll
     for (int k = 0; k < kChunk; ++k) amax = fmaxf(amax, fabsf(v[k]));
 #pragma unroll
-    for (int o = 1; o < kLanes; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    if constexpr (A == DType::Q8_0) {
-        // quantize_row_q8_0 / _q8_1: d = amax / 127, q = roundf(x / d), dequantized with d rounded to F16.
-        // The quants pass through int, as the CPU's int8 do, so that -0 becomes 0.
-        const float d = amax / 127.0f;
-        const float id = d != 0.0f ? 1.0f / d : 0.0f;
-        const float dh = __half2float(__float2half_rn(d));
+    for (int o = 1; o < 4; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float d = amax / 127.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
 #pragma unroll
-        for (int k = 0; k < kChunk; ++k) v[k] = __fmul_rn(float(int(roundf(__fmul_rn(v[k], id)))), dh);
+    for (int k = 0; k < kChunk; ++k) q[k] = int(roundf(__fmul_rn(v[k], id)));
+    return __half2float(__float2half_rn(d));
+}
+
+template <DType A>
+__device__ __forceinline__ void quantize_chunk(float v[kChunk]) {
+    if constexpr (A == DType::Q8_0) {
+        // quantize_row_q8_0 / _q8_1, dequantized with d rounded to F16. The quants pass through int, as the
+        // CPU's int8 do, so that -0 becomes 0.
+        int q[kChunk];
+        const float dh = quantize_chunk_q8_0(v, q);
+#pragma unroll
+        for (int k = 0; k < kChunk; ++k) v[k] = __fmul_rn(float(q[k]), dh);
     } else {
+        float amax = 0.0f;
+#pragma unroll
+        for (int k = 0; k < kChunk; ++k) amax = fmaxf(amax, fabsf(v[k]));
+        amax = warp_max(amax);
         static_assert(A == DType::Q8_K);
         // quantize_row_q8_K: the scale comes from the first element of largest magnitude, with its sign.
         const int lane = int(threadIdx.x) % kWarp;
@@ -168,6 +188,10 @@ __global__ void __launch_bounds__(kMmvThreads, kMmvMinBlocks) mmv_kernel(const M
         cp_async_commit();
     };
 
+    constexpr bool kIntDot = T == DType::Q8_0 && NT == 1;
+    int8_t *const xq = reinterpret_cast<int8_t *>(smem + kMmvSmemBytes<T>);
+    float *const xd = reinterpret_cast<float *>(smem + kMmvSmemBytes<T> + (a.n_in + 15) / 16 * 16);
+
     for (int32_t p0 = p_begin; p0 < p_end; p0 += NT) {
         const float *xr[NT];
 #pragma unroll
@@ -182,6 +206,28 @@ __global__ void __launch_bounds__(kMmvThreads, kMmvMinBlocks) mmv_kernel(const M
             for (int t = 0; t < NT; ++t) acc[j][t] = 0.0f;
 
         stage(0, 0);
+        if constexpr (kIntDot) {
+            if (a.int_dot) {  // uniform: the token's quants and scales into shared memory while slice 0 loads
+                for (int64_t base = 0; base < n_chunks; base += kMmvThreads) {
+                    const int64_t c = base + threadIdx.x;
+                    const bool on = c < n_chunks;  // whole blocks of 4 lanes (n_in is a multiple of 32)
+                    float v[kChunk] = {};
+                    if (on) {
+                        const float4 *xp = reinterpret_cast<const float4 *>(xr[0] + c * kChunk);
+                        const float4 u = __ldg(xp), w = __ldg(xp + 1);
+                        v[0] = u.x, v[1] = u.y, v[2] = u.z, v[3] = u.w, v[4] = w.x, v[5] = w.y, v[6] = w.z, v[7] = w.w;
+                    }
+                    int q[kChunk];
+                    const float dh = quantize_chunk_q8_0(v, q);
+                    if (!on) continue;
+                    uint32_t packed[2] = {0, 0};
+#pragma unroll
+                    for (int k = 0; k < kChunk; ++k) packed[k / 4] |= uint32_t(uint8_t(int8_t(q[k]))) << (8 * (k % 4));
+                    reinterpret_cast<uint2 *>(xq)[c] = make_uint2(packed[0], packed[1]);
+                    if ((c & 3) == 0) xd[c >> 2] = dh;
+                }
+            }
+        }
         for (int s = 0; s < n_slices; ++s) {
             if (s + 1 < n_slices) {
                 stage(s + 1, (s + 1) & 1);
@@ -206,6 +252,26 @@ __global__ void __launch_bounds__(kMmvThreads, kMmvMinBlocks) mmv_kernel(const M
                 if (c0 + i * kWarp >= n_chunks) break;  // uniform over the warp
                 const int cl = i * kWarp + lane;
                 const bool on = c0 + cl < n_chunks;
+                if constexpr (kIntDot) {
+                    if (a.int_dot) {
+                        if (!on) continue;
+                        // 8 weight quants (2-byte aligned in their 34-byte block) against 8 activation quants.
+                        const int64_t c = c0 + cl;
+                        const uint2 xv = reinterpret_cast<const uint2 *>(xq)[c];
+                        const float xs = xd[c >> 2];
+#pragma unroll
+                        for (int j = 0; j < kMmvRowsPerWarp; ++j) {
+                            if (srow[j] == nullptr) continue;
+                            const uint8_t *blk = srow[j] + (cl >> 2) * int64_t(sizeof(BlockQ8_0));
+                            const uint16_t *q = reinterpret_cast<const uint16_t *>(blk + 2 + (cl & 3) * kChunk);
+                            const int w0 = int(uint32_t(q[0]) | uint32_t(q[1]) << 16);
+                            const int w1 = int(uint32_t(q[2]) | uint32_t(q[3]) << 16);
+                            const int dot = __dp4a(w1, int(xv.y), __dp4a(w0, int(xv.x), 0));
+                            acc[j][0] = fmaf(ld_f16(blk) * xs, float(dot), acc[j][0]);
+                        }
+                        continue;
+                    }
+                }
                 float wv[kMmvRowsPerWarp][kChunk];
 #pragma unroll
                 for (int j = 0; j < kMmvRowsPerWarp; ++j) {
@@ -263,12 +329,13 @@ __global__ void __launch_bounds__(kMmvThreads, kMmvMinBlocks) mmv_kernel(const M
 }
 
 template <DType T>
-void launch_mmv(const MmvArgs &a, int n_group, int n_parts, int max_pairs, cudaStream_t stream) {
+void launch_mmv(MmvArgs a, int n_group, int n_parts, int max_pairs, cudaStream_t stream) {
     int64_t n_out = 0;
     for (int z = 0; z < n_parts; ++z) n_out = a.n_out[z] > n_out ? a.n_out[z] : n_out;
     const dim3 grid(unsigned(ceil_div(n_out, a.glu ? kMmvRows / 2 : kMmvRows)), unsigned(n_group),
                     unsigned(a.glu ? 1 : n_parts));
-    constexpr int smem = kMmvSmemBytes<T>;
+    a.int_dot = T == DType::Q8_0 && max_pairs <= 1 && a.quant_in && a.n_in <= kIntDotMaxIn;
+    const size_t smem = kMmvSmemBytes<T> + (a.int_dot ? int_dot_smem_bytes(a.n_in) : 0);
     if (max_pairs <= 1) {
         mmv_kernel<T, 1><<<grid, kMmvThreads, smem, stream>>>(a);
     } else if (max_pairs <= 2) {

@@ -38,6 +38,10 @@ struct float4 {
 struct uint4 {
     uint32_t x, y, z, w;
 };
+struct uint2 {
+    uint32_t x, y;
+};
+inline uint2 make_uint2(uint32_t a, uint32_t b) { return {a, b}; }
 inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
 inline uint4 make_uint4(uint32_t a, uint32_t b, uint32_t c, uint32_t d) { return {a, b, c, d}; }
 
@@ -78,6 +82,11 @@ template <class T> T __shfl_xor_sync(unsigned, T v, int o) { return emu_shfl(v, 
 template <class T> T __shfl_sync(unsigned, T v, int src_lane) { return emu_shfl(v, unsigned(src_lane)); }
 template <class T> T __ldg(const T *p) { return *p; }
 template <class T> T __ldcg(const T *p) { return *p; }
+/// c + the dot product of a's and b's four signed bytes.
+inline int __dp4a(int a, int b, int c) {
+    for (int i = 0; i < 4; ++i) c += int(int8_t(uint32_t(a) >> (8 * i))) * int(int8_t(uint32_t(b) >> (8 * i)));
+    return c;
+}
 // Blocks run one after another on one OS thread: fences order nothing more, atomics need no lock.
 inline void __threadfence() {}
 template <class T> T atomicAdd(T *p, T v) {
