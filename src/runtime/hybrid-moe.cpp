@@ -153,7 +153,7 @@ void HybridMoe::predict(int32_t layer, const float *h, const Routing &r) {
     const int32_t n_layers = int32_t(hp.n_layer), dense = int32_t(hp.n_layer_dense);
     const int64_t nt = std::min(r.n_tok, config_.predict_max_tokens), first = r.n_tok - nt;
     predicted_.clear();
-    if (predictor_ && config_.planner.prefetch_window > 0 && layer + 1 < n_layers) {
+    if (predictor_ && config_.planner.prefetch_window > 0 && layer + 1 < n_layers && !window_resident(layer)) {
         const double t0 = now_us();
         // The predictor numbers the MoE layers from 0 (as traces do), so it never sees the dense ones.
         PredictorInput in;
@@ -175,6 +175,16 @@ void HybridMoe::predict(int32_t layer, const float *h, const Routing &r) {
         planner_->set_host_us(host_us_estimate_);
     }
     planner_->set_candidates(predicted_.items(), int32_t(nt));
+}
+
+bool HybridMoe::window_resident(int32_t layer) const {
+    if (!cache_) return false;
+    const HParams &hp = model_.hp();
+    const int32_t last = std::min(layer + config_.planner.prefetch_window, int32_t(hp.n_layer) - 1);
+    for (int32_t l = layer + 1; l <= last; ++l) {
+        if (cache_->layer_fixed(l) != int32_t(hp.n_expert)) return false;
+    }
+    return true;
 }
 
 void HybridMoe::build_step(const Routing &r, std::span<const float> shared_gate) {

@@ -208,7 +208,11 @@ class HybridMoe {
     /// experts the row holds.
     int32_t update_table(int32_t layer);
     void step(LayerStep s);
+    /// The predictor's scores for the layers after `layer` (none when window_resident: nothing could be fetched).
     void predict(int32_t layer, const float *h, const Routing &r);
+    /// Every expert of the prefetch window's layers after `layer` has a fixed home on the GPU (a full budget): a
+    /// prediction there would be thrown away, and a hidden-state predictor costs the host ~0.1 ms a layer.
+    bool window_resident(int32_t layer) const;
     void build_step(const Routing &r, std::span<const float> shared_gate);
     bool device_hit(const RoutedExpert &x) const;  // x ran in this layer's device launch
     void launch(int32_t wave, int32_t begin, int32_t end);
