@@ -48,6 +48,9 @@ struct QuantItem {
 
 // Tokens quantized per task of the quantization step (GEMM jobs; GEMV jobs have fewer).
 constexpr int64_t kQuantTokens = 16;
+// Most activation elements matmul_batch quantizes on the calling thread (GEMV-only batches): a decode step's
+// expert inputs (8 experts x 4096 = 32768; ~10 us on one core).
+constexpr int64_t kSerialQuantElems = 32768;
 
 // BatchInvariantScope instances alive on this thread.
 thread_local int t_batch_invariant = 0;
@@ -233,40 +236,53 @@ void matmul_batch(DType type, int64_t n_in, int64_t n_out, const MatmulJob *jobs
     // The F32 activations a GEMM job multiplies: its own, or their quantized-and-back copy.
     const auto gemm_x = [&](int64_t j) { return qact ? xf + xa_offsets[j] : jobs[j].x; };
 
-    const auto n_items = int64_t(items.size()), n_pack = int64_t(pack.size()), n_quant = int64_t(quant.size());
-#pragma omp parallel num_threads(nth) if (nth > 1 && n_items > 1)
-    {
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t q = 0; q < n_quant; ++q) {
-            const QuantItem &it = quant_list[q];
-            const MatmulJob &job = jobs[it.job];
-            const bool gemm = job.n_tok >= min_gemm_tok;
-            thread_local std::vector<uint8_t> tmp;
-            if (gemm) tmp.resize(xq_row);
-            for (int64_t t = it.t0; t < it.t1; ++t) {
-                const float *x = job.x + t * n_in;
-                if (gemm) {
-                    k.quantize[act_index(at)](x, tmp.data(), n_in);
-                    float *xd = xf + xa_offsets[it.job] + t * n_in;
-                    dequantize_row(at, tmp.data(), xd, n_in);
-                    if (q8_1_mins) {
-                        const auto *blocks = reinterpret_cast<const BlockQ8_1 *>(tmp.data());
-                        float *c = xc + xa_offsets[it.job] / 32 + t * n_blocks;
-                        for (int64_t b = 0; b < n_blocks; ++b) {
-                            float sum = 0.0f;
-                            for (int i = 0; i < 32; ++i) sum += xd[b * 32 + i];
-                            c[b] = fp16_to_fp32(blocks[b].s) - sum;
-                        }
+    const auto quantize_item = [&](const QuantItem &it) {
+        const MatmulJob &job = jobs[it.job];
+        const bool gemm = job.n_tok >= min_gemm_tok;
+        thread_local std::vector<uint8_t> tmp;
+        if (gemm) tmp.resize(xq_row);
+        for (int64_t t = it.t0; t < it.t1; ++t) {
+            const float *x = job.x + t * n_in;
+            if (gemm) {
+                k.quantize[act_index(at)](x, tmp.data(), n_in);
+                float *xd = xf + xa_offsets[it.job] + t * n_in;
+                dequantize_row(at, tmp.data(), xd, n_in);
+                if (q8_1_mins) {
+                    const auto *blocks = reinterpret_cast<const BlockQ8_1 *>(tmp.data());
+                    float *c = xc + xa_offsets[it.job] / 32 + t * n_blocks;
+                    for (int64_t b = 0; b < n_blocks; ++b) {
+                        float sum = 0.0f;
+                        for (int i = 0; i < 32; ++i) sum += xd[b * 32 + i];
+                        c[b] = fp16_to_fp32(blocks[b].s) - sum;
                     }
-                } else {
-                    k.quantize[act_index(at)](x, xq + xa_offsets[it.job] + size_t(t) * xq_row, n_in);
                 }
+            } else {
+                k.quantize[act_index(at)](x, xq + xa_offsets[it.job] + size_t(t) * xq_row, n_in);
             }
         }
+    };
+    const auto n_items = int64_t(items.size()), n_pack = int64_t(pack.size());
+    // A decode step's few GEMV activations are quantized here, in a few microseconds: each barrier of the parallel
+    // region below costs a sleeping thread's wake-up (passive waiting, decision 0102), several times that.
+    int64_t quant_tokens = 0;
+    for (const QuantItem &it : quant) quant_tokens += it.t1 - it.t0;
+    const bool serial_quant = n_pack == 0 && quant_tokens * n_in <= kSerialQuantElems;
+    if (serial_quant) {
+        for (const QuantItem &it : quant) quantize_item(it);
+    }
+    const int64_t n_quant = serial_quant ? 0 : int64_t(quant.size());
+#pragma omp parallel num_threads(nth) if (nth > 1 && n_items > 1)
+    {
+        if (n_quant > 0) {  // the same for every thread: all of them meet this loop's barrier or none
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t q = 0; q < n_quant; ++q) quantize_item(quant_list[q]);
+        }
+        if (n_pack > 0) {
 #pragma omp for schedule(static)
-        for (int64_t p = 0; p < n_pack; ++p) {
-            const PackItem &pk = pack_list[p];
-            k.pack(gemm_x(pk.job), n_in, jobs[pk.job].n_tok, pk.k0, pk.k1, xt + xt_offsets[pk.job]);
+            for (int64_t p = 0; p < n_pack; ++p) {
+                const PackItem &pk = pack_list[p];
+                k.pack(gemm_x(pk.job), n_in, jobs[pk.job].n_tok, pk.k0, pk.k1, xt + xt_offsets[pk.job]);
+            }
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < n_items; ++i) {
