@@ -1,5 +1,5 @@
-// Expert parallelism on the CPU (issue 16): expert groups (planning, balance, JSON), the dispatch plan and the
-// in-process all-to-all.
+// Expert parallelism on the CPU (issue 16): expert groups (planning, balance, JSON), the dispatch plan, the
+// in-process all-to-all, and the expert-parallel executor against the one-GPU MoE block, bit for bit.
 #include "../common/error-of.h"
 #include "../common/random-trace.h"
 #include "arch/arch.h"
@@ -8,6 +8,8 @@
 #include "offload/expert-groups.h"
 #include "offload/placement.h"
 #include "offload/trace.h"
+#include "runtime/context.h"
+#include "runtime/expert-parallel.h"
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -349,4 +351,108 @@ TEST(DispatchPlan, OneGpuRunsTheRoutedExpertsOfTheOneGpuBlock) {
         EXPECT_EQ(p.work[0].offsets[i + 1] - p.work[0].offsets[i], d.experts[i].n_tokens);
     }
     EXPECT_EQ(p.dispatch_rows[0], 9);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// the executor against the one-GPU block
+
+namespace {
+
+// Prefill of a fixed prompt in passes of n_batch tokens (all logits), then greedy decode; every logit.
+std::vector<float> run_tokens(const Model &model, ExpertExecutor *executor, int64_t n_batch, int n_prompt, int n_decode) {
+    Context ctx(model, {128, n_batch}, executor);
+    std::vector<int32_t> prompt;
+    for (int i = 0; i < n_prompt; ++i) prompt.push_back(int32_t((i * 37 + 5) % model.hp().n_vocab));
+    ctx.eval(prompt, /*all_logits=*/true);
+    std::vector<float> all = ctx.logits();
+    for (int i = 0; i < n_decode; ++i) {
+        const float *l = ctx.logits().data() + ctx.logits().size() - size_t(model.hp().n_vocab);
+        const auto next = int32_t(std::max_element(l, l + model.hp().n_vocab) - l);
+        ctx.eval({&next, 1});
+        all.insert(all.end(), ctx.logits().begin(), ctx.logits().end());
+    }
+    return all;
+}
+
+size_t bits_differing(const std::vector<float> &a, const std::vector<float> &b) {
+    EXPECT_EQ(a.size(), b.size());
+    size_t diff = 0;
+    for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) diff += std::memcmp(&a[i], &b[i], 4) != 0;
+    return diff;
+}
+
+class ExpertParallelModels : public ::testing::TestWithParam<std::string> {};
+
+std::string param_name(const ::testing::TestParamInfo<std::string> &info) {
+    std::string s = info.param;
+    for (char &c : s) c = std::isalnum(static_cast<unsigned char>(c)) ? c : '_';
+    return s;
+}
+
+} // namespace
+
+TEST_P(ExpertParallelModels, LogitsEqualTheOneGpuBlockForOneToEightGpus) {
+    const auto model = Model::load(source_path("tests/data/models/" + GetParam()).string());
+    const HParams &hp = model->hp();
+    const int32_t L = int32_t(hp.n_layer_moe()), E = int32_t(hp.n_expert);
+    // Passes of 5 tokens (decode-sized products) and of 40 (the GEMM paths).
+    for (int64_t n_batch : {int64_t(5), int64_t(40)}) {
+        const std::vector<float> ref = run_tokens(*model, nullptr, n_batch, 41, 4);
+        for (int32_t G = 1; G <= std::min(8, E); ++G) {
+            SCOPED_TRACE(testing::Message() << G << " GPUs, passes of " << n_batch << " tokens");
+            FakeAllToAll a2a(G);
+            ExpertParallelExecutor ep(*model, shuffled_groups(L, E, G, uint32_t(G)), a2a, n_batch);
+            EXPECT_EQ(bits_differing(run_tokens(*model, &ep, n_batch, 41, 4), ref), 0u);
+            EXPECT_EQ(ep.stats().steps, a2a.exchanges() / 2);
+            EXPECT_EQ(ep.stats().remote_rows > 0, G > 1);
+            EXPECT_NE(ep.stats_text().find(std::to_string(G) + " GPUs"), std::string::npos);
+        }
+    }
+}
+
+INSTANTIATE_TEST_SUITE_P(TinyModels, ExpertParallelModels,
+                         ::testing::Values("qwen3moe/tiny-f32.gguf", "qwen3moe/tiny-q8_0.gguf", "mixtral/tiny-f32.gguf",
+                                           "mixtral/tiny-q8_0.gguf", "olmoe/tiny-q8_0.gguf", "qwen2moe/tiny-f32.gguf",
+                                           "qwen2moe/tiny-q8_0.gguf", "deepseekv3/tiny-q8_0.gguf",
+                                           "deepseekv2lite/tiny-f32.gguf", "gptoss/tiny-f32.gguf",
+                                           "gptoss/tiny-mxfp4.gguf"),
+                         param_name);
+
+TEST(ExpertParallel, GroupsReplannedAfterDriftChangeNoLogit) {
+    // A drift window of 3 tokens and no tolerance: nearly every check finds a GPU above the mean and re-plans.
+    const auto model = Model::load(source_path("tests/data/models/qwen3moe/tiny-f32.gguf").string());
+    const std::vector<float> ref = run_tokens(*model, nullptr, 5, 23, 6);
+    ExpertGroups groups = ExpertGroups::contiguous(int32_t(model->hp().n_layer_moe()), int32_t(model->hp().n_expert), 4);
+    groups.tolerance = 0.0;
+    const ExpertGroups before = groups;
+    FakeAllToAll a2a(4);
+    ExpertParallelConfig config;
+    config.drift_window = 3;
+    ExpertParallelExecutor ep(*model, groups, a2a, 5, config);
+    EXPECT_EQ(bits_differing(run_tokens(*model, &ep, 5, 23, 6), ref), 0u);
+    EXPECT_GT(ep.stats().replans, 0);
+    EXPECT_NE(ep.groups().gpu, before.gpu);
+    for (int32_t l = 0; l < ep.groups().n_layers; ++l) {
+        for (int32_t g = 0; g < 4; ++g) {
+            EXPECT_EQ(std::count(ep.groups().layer(l).begin(), ep.groups().layer(l).end(), int8_t(g)), 2);
+        }
+    }
+}
+
+TEST(ExpertParallel, SeveralSequencesInOnePassEqualTheOneGpuBlock) {
+    const auto model = Model::load(source_path("tests/data/models/mixtral/tiny-q8_0.gguf").string());
+    const auto run = [&](ExpertExecutor *executor) {
+        Context ctx(*model, {64, 16, 3}, executor);
+        const std::vector<int32_t> a = {1, 2, 3, 4, 5, 6, 7}, b = {9, 8}, c = {20, 21, 22, 23, 24};
+        ctx.eval_batch(std::vector<SeqTokens>{{0, a}, {1, b}, {2, c}});
+        std::vector<float> out = ctx.logits();
+        const int32_t n[3] = {3, 4, 5};
+        ctx.eval_batch(std::vector<SeqTokens>{{0, {&n[0], 1}}, {1, {&n[1], 1}}, {2, {&n[2], 1}}});
+        out.insert(out.end(), ctx.logits().begin(), ctx.logits().end());
+        return out;
+    };
+    const std::vector<float> ref = run(nullptr);
+    FakeAllToAll a2a(3);
+    ExpertParallelExecutor ep(*model, shuffled_groups(int32_t(model->hp().n_layer_moe()), 8, 3, 5), a2a, 16);
+    EXPECT_EQ(bits_differing(run(&ep), ref), 0u);
 }
