@@ -6,9 +6,11 @@
 #include "offload/all-to-all.h"
 #include "offload/expert-dispatch.h"
 #include "offload/expert-groups.h"
+#include "offload/offload-config.h"
 #include "offload/placement.h"
 #include "offload/trace.h"
 #include "runtime/context.h"
+#include "runtime/engine.h"
 #include "runtime/expert-parallel.h"
 
 #include <gtest/gtest.h>
@@ -455,4 +457,42 @@ TEST(ExpertParallel, SeveralSequencesInOnePassEqualTheOneGpuBlock) {
     FakeAllToAll a2a(3);
     ExpertParallelExecutor ep(*model, shuffled_groups(int32_t(model->hp().n_layer_moe()), 8, 3, 5), a2a, 16);
     EXPECT_EQ(bits_differing(run(&ep), ref), 0u);
+}
+
+TEST(ExpertParallel, TheCpuEngineRunsGpusFromTheConfigAndTheGpuRuntimeRefusesSeveral) {
+    const std::string path = source_path("tests/data/models/qwen3moe/tiny-f32.gguf").string();
+    const auto model = Model::load(path);
+    const auto logits = [&](const OffloadConfig &c) {
+        const std::unique_ptr<Engine> e = make_engine(*model, {64, 8}, c);
+        const std::vector<int32_t> prompt = {3, 1, 4, 1, 5, 9, 2, 6, 5, 3};
+        e->eval(prompt, true);
+        return std::make_pair(e->logits(), e->startup_text() + e->stats_text());
+    };
+    const auto [ref, ref_text] = logits({});
+    OffloadConfig c;
+    c.set("gpus", "3", "test");
+    const auto [three, text] = logits(c);
+    EXPECT_EQ(bits_differing(three, ref), 0u);
+    EXPECT_NE(text.find("expert parallel: 3 GPUs simulated on the CPU"), std::string::npos) << text;
+    EXPECT_NE(text.find("GPUs per token and layer"), std::string::npos) << text;
+    EXPECT_EQ(ref_text.find("expert parallel"), std::string::npos);
+
+    // A groups file from the trace planner, shape-checked against the model and --gpus.
+    RoutingStats s(int32_t(model->hp().n_layer_moe()), 8);
+    s.add(0, random_ids(50, 8, 2, 1), 2);
+    const std::string groups = tmp_path("engine-groups.json");
+    plan_expert_groups(s, 2, 0.1).save(groups);
+    c.set("expert_groups", groups, "test");
+    EXPECT_NE(error_of([&] { logits(c); }).find(groups + ": expert groups for 2 GPUs, --gpus is 3"), std::string::npos);
+    c.set("gpus", "2", "test");
+    EXPECT_EQ(bits_differing(logits(c).first, ref), 0u);
+    EXPECT_NE(logits(c).second.find("groups from " + groups), std::string::npos);
+    fs::remove(groups);
+
+    OffloadConfig gpu;
+    gpu.set("gpu_cache", "1GiB", "test");
+    gpu.set("gpus", "2", "--gpus");
+    const std::string e = error_of([&] { make_engine(*model, {64, 8}, gpu); });
+    EXPECT_NE(e.find("--gpus 2"), std::string::npos) << e;
+    EXPECT_NE(e.find("not built yet"), std::string::npos) << e;
 }
