@@ -31,9 +31,10 @@ void FakeAllToAll::exchange(std::span<const void *const> send, std::span<void *c
             PRESCOPE_ASSERT(n >= 0);
             if (n == 0) continue;
             const size_t bytes = size_t(n) * row_bytes;
-            std::memcpy(static_cast<char *>(recv[size_t(d)]) + all_to_all_recv_offset(rows, world_, s, d, row_bytes),
-                        static_cast<const char *>(send[size_t(s)]) + all_to_all_send_offset(rows, world_, s, d, row_bytes),
-                        bytes);
+            char *to = static_cast<char *>(recv[size_t(d)]) + all_to_all_recv_offset(rows, world_, s, d, row_bytes);
+            const char *from =
+                static_cast<const char *>(send[size_t(s)]) + all_to_all_send_offset(rows, world_, s, d, row_bytes);
+            std::memcpy(to, from, bytes);
             if (s != d) bytes_between_ += bytes;
         }
     }

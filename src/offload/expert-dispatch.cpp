@@ -76,7 +76,8 @@ void build_dispatch_plan(std::span<const int32_t> ids, int64_t k, std::span<cons
     // Dispatch: one row per (token, GPU holding one of its experts), by sender, receiver, token.
     p.dispatch_rows.assign(size_t(G * G), 0);
     for (int64_t t = 0; t < n_tok; ++t) {
-        for (int32_t d = 0; d < G; ++d) p.dispatch_rows[size_t(home[size_t(t)] * G + d)] += (p.gpu_mask[size_t(t)] >> d) & 1;
+        const int32_t s = home[size_t(t)];
+        for (int32_t d = 0; d < G; ++d) p.dispatch_rows[size_t(s * G + d)] += (p.gpu_mask[size_t(t)] >> d) & 1;
     }
     p.dispatch_tokens.clear();
     p.recv_row.assign(size_t(n_tok * G), -1);

@@ -71,7 +71,8 @@ std::string ExpertGroups::summary() const {
     int32_t start = 0;
     for (int32_t l = 1; l <= n_layers; ++l) {
         if (l < n_layers && std::equal(layer(l).begin(), layer(l).end(), layer(start).begin())) continue;
-        const std::string range = start == l - 1 ? fmt::format("layer {}", start) : fmt::format("layers {}-{}", start, l - 1);
+        const std::string range =
+            start == l - 1 ? fmt::format("layer {}", start) : fmt::format("layers {}-{}", start, l - 1);
         out += fmt::format("  {:<14} {}\n", range + ":", line(start));
         start = l;
     }
@@ -105,7 +106,8 @@ ExpertGroups ExpertGroups::from_json(const nlohmann::json &j, std::string_view s
         fail("{}: 'version' must be 1", source);
     }
     auto count = [&](const char *key, int64_t hi) {
-        if (!j.contains(key) || !j[key].is_number_integer() || j[key].get<int64_t>() < 1 || j[key].get<int64_t>() > hi) {
+        if (!j.contains(key) || !j[key].is_number_integer() || j[key].get<int64_t>() < 1 ||
+            j[key].get<int64_t>() > hi) {
             fail("{}: '{}' must be an integer in [1, {}]", source, key, hi);
         }
         return int32_t(j[key].get<int64_t>());
@@ -171,7 +173,8 @@ void ExpertGroups::save(const std::string &path) const { write_file_atomic(path,
 
 RoutingStats::RoutingStats(int32_t n_layers_, int32_t n_experts_)
     : n_layers(n_layers_), n_experts(n_experts_), tokens(size_t(n_layers_)),
-      load(size_t(n_layers_) * size_t(n_experts_)), coact(size_t(n_layers_) * size_t(n_experts_) * size_t(n_experts_)) {}
+      load(size_t(n_layers_) * size_t(n_experts_)),
+      coact(size_t(n_layers_) * size_t(n_experts_) * size_t(n_experts_)) {}
 
 void RoutingStats::add(int32_t layer, std::span<const int32_t> ids, int64_t k) {
     PRESCOPE_ASSERT(layer >= 0 && layer < n_layers && k > 0 && ids.size() % size_t(k) == 0);
@@ -288,7 +291,8 @@ void plan_layer_groups(const RoutingStats &stats, int32_t layer, ExpertGroups &g
                 const int64_t np = gload[size_t(p)] - load[a] + load[b], nq = gload[size_t(q)] - load[b] + load[a];
                 const double before = excess(double(gload[size_t(p)])) + excess(double(gload[size_t(q)]));
                 const double after = excess(double(np)) + excess(double(nq));
-                const int64_t gain = affinity(a, q) - co(a, b) - affinity(a, p) + affinity(b, p) - co(a, b) - affinity(b, q);
+                const int64_t gain =
+                    affinity(a, q) - co(a, b) - affinity(a, p) + affinity(b, p) - co(a, b) - affinity(b, q);
                 if (!(after < before || (after == before && gain > 0))) continue;
                 row[a] = int8_t(q), row[b] = int8_t(p);
                 gload[size_t(p)] = np, gload[size_t(q)] = nq;

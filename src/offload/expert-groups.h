@@ -32,7 +32,9 @@ struct ExpertGroups {
     /// PRECONDITION: 1 <= n_gpus <= min(MAX_GPUS, n_experts), n_layers >= 1.
     static ExpertGroups contiguous(int32_t n_layers, int32_t n_experts, int32_t n_gpus);
 
-    int32_t gpu_of(int32_t layer, int32_t expert) const { return gpu[size_t(layer) * size_t(n_experts) + size_t(expert)]; }
+    int32_t gpu_of(int32_t layer, int32_t expert) const {
+        return gpu[size_t(layer) * size_t(n_experts) + size_t(expert)];
+    }
     std::span<const int8_t> layer(int32_t l) const {
         return {gpu.data() + size_t(l) * size_t(n_experts), size_t(n_experts)};
     }

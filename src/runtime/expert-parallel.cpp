@@ -61,7 +61,8 @@ void ExpertParallelExecutor::run(int64_t layer, const float *x, const Routing &r
 
     // Dispatch: each GPU sends the rows of its tokens, by receiver, then token (the plan's order).
     for (size_t i = 0; i < plan_.dispatch_tokens.size(); ++i) {
-        std::copy_n(x + int64_t(plan_.dispatch_tokens[i]) * n_embd, n_embd, dispatch_send_.data() + int64_t(i) * n_embd);
+        const float *row = x + int64_t(plan_.dispatch_tokens[i]) * n_embd;
+        std::copy_n(row, n_embd, dispatch_send_.data() + int64_t(i) * n_embd);
     }
     point(send_ptr_, dispatch_send_, [&](int32_t g) { return plan_.dispatch_sent(g); });
     point(recv_ptr_, dispatch_recv_, [&](int32_t g) { return plan_.dispatch_received(g); });
@@ -95,7 +96,8 @@ void ExpertParallelExecutor::run(int64_t layer, const float *x, const Routing &r
     stats_.dispatch_rows += int64_t(plan_.dispatch_tokens.size());
     for (int32_t s = 0; s < G; ++s) {
         for (int32_t d = 0; d < G; ++d) {
-            if (s != d) stats_.remote_rows += plan_.dispatch_rows[size_t(s * G + d)] + plan_.combine_rows[size_t(s * G + d)];
+            if (s == d) continue;
+            stats_.remote_rows += plan_.dispatch_rows[size_t(s * G + d)] + plan_.combine_rows[size_t(s * G + d)];
         }
     }
 
