@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <bit>
 #include <fstream>
 #include <numeric>
 
@@ -53,30 +54,6 @@ void ExpertGroups::check_shape(int32_t model_moe_layers, int32_t model_experts, 
              model_moe_layers, model_experts);
     }
     if (n_gpus != gpus) fail("{}: expert groups for {} GPUs, --gpus is {}", source, n_gpus, gpus);
-}
-
-std::string ExpertGroups::summary() const {
-    auto line = [&](int32_t l) {
-        std::string s;
-        for (int32_t g = 0; g < n_gpus; ++g) {
-            std::string ids;
-            for (int32_t e = 0; e < n_experts; ++e) {
-                if (gpu_of(l, e) == g) ids += (ids.empty() ? "" : " ") + std::to_string(e);
-            }
-            s += fmt::format("{}GPU {}: {} experts ({})", g ? ", " : "", g, capacity(g), ids);
-        }
-        return s;
-    };
-    std::string out;
-    int32_t start = 0;
-    for (int32_t l = 1; l <= n_layers; ++l) {
-        if (l < n_layers && std::equal(layer(l).begin(), layer(l).end(), layer(start).begin())) continue;
-        const std::string range =
-            start == l - 1 ? fmt::format("layer {}", start) : fmt::format("layers {}-{}", start, l - 1);
-        out += fmt::format("  {:<14} {}\n", range + ":", line(start));
-        start = l;
-    }
-    return out;
 }
 
 nlohmann::json ExpertGroups::to_json() const {
@@ -328,7 +305,7 @@ std::vector<double> gpus_per_token(const ExpertGroups &groups, const RoutingTrac
         for (int64_t tok = 0; tok < t.n_tokens(); ++tok) {
             unsigned mask = 0;
             for (int32_t j = 0; j < t.top_k; ++j) mask |= 1u << groups.gpu_of(l, t.ids(tok, l)[j]);
-            sum += uint64_t(__builtin_popcount(mask));
+            sum += uint64_t(std::popcount(mask));
         }
         out[size_t(l)] = double(sum) / double(t.n_tokens());
     }

