@@ -6,7 +6,7 @@
 #
 # -t: seconds per target (default 60). -j: targets run side by side (default 1). --seeds: rewrite the committed
 # seed corpora (tests/fuzz/corpus) first. TARGET: fuzz-gguf, fuzz-trace, fuzz-predictor, fuzz-config,
-# fuzz-tokenizer, fuzz-chat (default: all). Each target grows its corpus in build-fuzz/corpus/TARGET (starting
+# fuzz-tokenizer, fuzz-chat, fuzz-expert-groups (default: all). Each target grows its corpus in build-fuzz/corpus/TARGET (starting
 # from the committed seeds and tests/fuzz/regressions/TARGET, inputs that once found a bug) and writes what it
 # finds to build-fuzz/findings/TARGET/. Prints one line per target (executions, executions/s, corpus size,
 # findings) and exits 1 when any target found something.
@@ -26,7 +26,7 @@ while [ $# -gt 0 ]; do
         *) targets+=("$1"); shift ;;
     esac
 done
-all=(fuzz-gguf fuzz-trace fuzz-predictor fuzz-config fuzz-tokenizer fuzz-chat)
+all=(fuzz-gguf fuzz-trace fuzz-predictor fuzz-config fuzz-tokenizer fuzz-chat fuzz-expert-groups)
 if [ ${#targets[@]} -eq 0 ]; then targets=("${all[@]}"); fi
 
 B=build-fuzz

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The one command for the GPU machine, for the offloading runtime (issue 4): builds PreScope with CUDA, runs
-# the GPU tests (label gpu: tests/gpu/test-gpu-offload.cpp) and an end-to-end generate on the GPU with its
-# counters, next to the CPU run of the same prompt; every log goes under $OUT (default ./offload-out).
+# the GPU tests (label gpu: tests/gpu/test-gpu-offload.cpp, and test-nccl-all-to-all.cpp when NCCL is there) and
+# an end-to-end generate on the GPU with its counters, next to the CPU run of the same prompt; every log goes
+# under $OUT (default ./offload-out).
 #
 #   scripts/device/offload_tests.sh [--big]
 #     --big   also write an 8-layer Qwen3-30B-A3B-shaped Q8_0 model (tools/py/make_bench_model.py, ~4 GB in
@@ -64,6 +65,18 @@ elif [ $rc -ne 0 ]; then
     run_bin env PRESCOPE_SYNC_DEBUG=1 timeout 180 "$BIN/test-gpu" --gtest_filter="$(grep -E '^\[  FAILED  \] [A-Za-z]' \
         "$LOG/test-gpu.log" | awk '{print $4}' | sort -u | paste -sd: -)" > "$LOG/test-gpu-syncdebug.log" 2>&1
     say "re-run of the failures with PRESCOPE_SYNC_DEBUG=1: exit $? (test-gpu-syncdebug.log)"
+fi
+
+# --- NCCL all-to-all (issue 16): NcclAllToAll against FakeAllToAll on one GPU and on every GPU here ---------
+if timeout 300 ninja -C "$BUILD" test-nccl >> "$LOG/build.log" 2>&1; then
+    run_bin timeout 120 "$BIN/test-nccl" > "$LOG/test-nccl.log" 2>&1
+    rc=$?
+    say "test-nccl: exit $rc, $(grep -E '^NCCL |^\[  PASSED  \]|^\[  FAILED  \]|^\[  SKIPPED \]' "$LOG/test-nccl.log" |
+        tr '\n' ' ')"
+    grep -E '^\[  FAILED  \]' "$LOG/test-nccl.log" | head -10 | tee -a "$OUT/summary.txt"
+    [ $rc -eq 0 ] || RC=1
+else
+    say "test-nccl not built: no NCCL found (configure.log: 'NCCL:'; pass NCCL_ROOT, see docs/expert-parallel.md)"
 fi
 
 # --- end-to-end: the same greedy prompt on the CPU and on the GPU -----------------------------------

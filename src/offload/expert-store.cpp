@@ -83,6 +83,12 @@ ExpertLayout ExpertLayout::of(const Model &model, int64_t layer) {
     return x;
 }
 
+ExpertStoreConfig ExpertStoreConfig::cpu_only(const Model &model) {
+    ExpertStoreConfig c;
+    c.fetchable.assign(size_t(model.hp().n_layer * model.hp().n_expert), 0);
+    return c;
+}
+
 ExpertStore::ExpertStore(const Model &model, Backend *backend, const ExpertStoreConfig &config)
     : model_(model), backend_(backend) {
     const HParams &hp = model.hp();

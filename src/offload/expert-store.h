@@ -53,6 +53,9 @@ struct ExpertStoreConfig {
     /// Drop the mapping's pages of repacked bytes (madvise + posix_fadvise DONTNEED), so the same bytes are
     /// not held twice. Off only in tests that compare against the mapping afterwards.
     bool drop_mapped_pages = true;
+
+    /// Every expert read in place from the mapping, never repacked or copied: the CPU engine's store.
+    static ExpertStoreConfig cpu_only(const Model &model);
 };
 
 /// PRECONDITIONS: the model outlives the store; `backend` (may be null: nothing is page-locked) outlives it.

@@ -33,7 +33,7 @@ const std::vector<std::string> &OffloadConfig::keys() {
         "prefetch_max_per_layer", "prefetch_in_flight", "predict_max_tokens", "predictor",  "placement",
         "routing_trace",      "gpu_device",       "copy_chunk",         "copy_queue_depth",  "copy_bandwidth_cap",
         "cost_profile",       "load_balance",     "numa",               "dump_layer_states",
-        "device_hits",        "device_steps",     "cuda_graphs"};
+        "device_hits",        "device_steps",     "cuda_graphs",        "gpus",              "expert_groups"};
     return k;
 }
 
@@ -95,6 +95,10 @@ void OffloadConfig::set(std::string_view key, std::string_view value, std::strin
         numa = std::string(value);
     } else if (key == "dump_layer_states") {
         dump_layer_states = std::string(value);
+    } else if (key == "gpus") {
+        gpus = int32_t(parse_int(value, 1, 8, source, key));
+    } else if (key == "expert_groups") {
+        expert_groups = std::string(value);
     } else {
         fail("{}: unknown key '{}' (known: {})", source, key, fmt::join(keys(), ", "));
     }
@@ -129,7 +133,8 @@ void OffloadConfig::load_yaml(const std::string &path) {
 }
 
 std::string OffloadConfig::no_effect(std::string_view key) const {
-    if (key == "gpu_cache" || key == "routing_trace") return {};
+    if (key == "gpu_cache" || key == "routing_trace" || key == "gpus") return {};
+    if (key == "expert_groups") return gpu && gpus == 1 ? "gpus is 1: the GPU runtime runs every expert on one GPU" : "";
     if (!gpu) return "no GPU (gpu_cache / --gpu-expert-budget not set): the CPU engine runs every expert itself";
     if (key == "gpu_device" || key == "numa" || key == "placement") return {};
     if (gpu_cache_bytes == 0) return "gpu_cache is 0: every expert runs on the CPU";
@@ -184,6 +189,10 @@ std::string OffloadConfig::get(std::string_view key) const {
     if (key == "prefetch_in_flight") return std::to_string(prefetch_in_flight);
     if (key == "numa") return numa;
     if (key == "dump_layer_states") return dump_layer_states.empty() ? "off" : dump_layer_states;
+    if (key == "gpus") return gpus == 1 ? "1" : fmt::format("{} (expert parallelism)", gpus);
+    if (key == "expert_groups") {
+        return expert_groups.empty() ? "consecutive ranges, re-planned as the routing drifts" : expert_groups;
+    }
     PRESCOPE_ASSERT(false && "unknown offload config key");
     return {};
 }
@@ -219,6 +228,8 @@ nlohmann::json OffloadConfig::to_json() const {
     j["prefetch_in_flight"] = prefetch_in_flight;
     j["numa"] = numa;
     j["dump_layer_states"] = dump_layer_states;
+    j["gpus"] = gpus;
+    j["expert_groups"] = expert_groups;
     return j;
 }
 

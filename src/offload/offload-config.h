@@ -43,6 +43,10 @@ struct OffloadConfig {
                                        // device, the host reading its routing later (HybridMoe::launch_device, 0138)
     bool cuda_graphs = true;           // a decode pass whose every layer runs whole on the device from fixed slots is
                                        // captured once as a CUDA graph and replayed (HybridMoe::device_resident, 0142)
+    int32_t gpus = 1;                  // GPUs of expert parallelism, each holding one group of experts (issue 16);
+                                       // > 1 runs on the CPU engine only (the GPU runtime refuses it: make_engine)
+    std::string expert_groups;         // expert groups JSON (offload/expert-groups.h, `prescope expert-groups`); empty:
+                                       // consecutive ranges of experts, re-planned from the routing as it drifts
 
     /// Keys set through set() (file or flags), in order, with where they came from.
     std::vector<std::pair<std::string, std::string>> given;

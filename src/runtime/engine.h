@@ -16,6 +16,8 @@
 
 namespace prescope {
 
+class ExpertParallelExecutor;
+class FakeAllToAll;
 class OraclePredictor;
 class RoutingReplay;
 
@@ -51,7 +53,10 @@ class Engine {
     virtual void reset_stats() = 0;
 };
 
-/// The CPU Context as an Engine, with routing replay when config.routing_trace is set.
+/// The CPU Context as an Engine, with routing replay when config.routing_trace is set, and its MoE block run by the
+/// expert-parallel executor over config.gpus GPUs simulated in process (runtime/expert-parallel.h) when config.gpus
+/// > 1 or config.expert_groups is set. Throws prescope::Error when the groups file is unreadable or does not fit
+/// the model and config.gpus.
 class CpuEngine final : public Engine {
   public:
     CpuEngine(const Model &model, ContextParams params, const OffloadConfig &config);
@@ -73,12 +78,15 @@ class CpuEngine final : public Engine {
     Context &context() { return ctx_; }
 
   private:
+    std::unique_ptr<FakeAllToAll> all_to_all_;        // the transport of expert_
+    std::unique_ptr<ExpertParallelExecutor> expert_;  // null: the Context's own CPU executor
     Context ctx_;
     std::unique_ptr<RoutingReplay> replay_;
 };
 
 /// The engine the settings ask for: CpuEngine, or the GPU runtime when config.gpu. Throws prescope::Error
-/// when config.gpu is set in a build without CUDA or on a machine without a CUDA device.
+/// when config.gpu is set in a build without CUDA or on a machine without a CUDA device, or together with
+/// config.gpus > 1 (the GPU runtime's expert-parallel layer step is not built: docs/expert-parallel.md).
 std::unique_ptr<Engine> make_engine(const Model &model, ContextParams params, const OffloadConfig &config);
 
 /// The predictor config.predictor names, for up to max_tokens tokens per call and config.prefetch_window, over

@@ -57,15 +57,9 @@ void HostMoeDevice::launch_gpu(const MoeStep &s) {
 
 void HostMoeDevice::combine(const MoeStep &s) {
     PRESCOPE_ASSERT(out_ && s.k_comb == s.k && s.n_gpu_pairs == 0);
-    // Weighted sum in top-k order (HF and llama.cpp add the k expert outputs in that order).
     for (int64_t t = 0; t < s.n_tok; ++t) {
-        float *o = out_ + t * n_embd_;
-        std::fill_n(o, n_embd_, 0.0f);
-        for (int64_t j = 0; j < s.k; ++j) {
-            const float w = s.weights[size_t(t * s.k + j)];
-            const float *y = rows_.data() + int64_t(s.pair_ids[size_t(t * s.k + j)]) * n_embd_;
-            for (int64_t c = 0; c < n_embd_; ++c) o[c] += w * y[c];
-        }
+        combine_top_k(s.k, &s.pair_ids[size_t(t * s.k)], &s.weights[size_t(t * s.k)], rows_.data(), n_embd_,
+                      out_ + t * n_embd_);
     }
 }
 

@@ -53,6 +53,16 @@ void cpu_expert_ffn(const TensorView &gate, const TensorView &up, const TensorVi
     cpu::matmul(down, g, m, y, expert);
 }
 
+void combine_top_k(int64_t k, const int32_t *pair_ids, const float *weights, const float *rows, int64_t n_embd,
+                   float *out) {
+    std::fill_n(out, n_embd, 0.0f);
+    for (int64_t j = 0; j < k; ++j) {
+        const float w = weights[j];
+        const float *y = rows + int64_t(pair_ids[j]) * n_embd;
+        for (int64_t c = 0; c < n_embd; ++c) out[c] += w * y[c];
+    }
+}
+
 CpuExpertRunner::CpuExpertRunner(int64_t n_embd, int64_t max_n_ff, int64_t max_pairs, ExpertAct act)
     : n_embd_(n_embd), max_n_ff_(max_n_ff), max_pairs_(max_pairs), act_(act) {
     check_host_memory(size_t(max_pairs) * sizeof(float) * size_t(n_embd + 2 * max_n_ff),
@@ -123,16 +133,11 @@ void CpuExpertRunner::run(const ExpertStore &store, int32_t layer, int32_t n, co
 // The all-CPU plan: no GPU cache, so the MoE block's executor runs every routed expert on the host.
 struct CpuExpertExecutor::Impl {
     Impl(const Model &model, int64_t max_tokens)
-        : store(model, nullptr, cpu_only_store(model)),
+        : store(model, nullptr, ExpertStoreConfig::cpu_only(model)),
           placement(PlacementPlan::uniform(int32_t(model.hp().n_layer), int32_t(model.hp().n_expert))),
           device(model.hp().n_embd, max_tokens * model.hp().n_expert_used),
           moe(model, store, placement, nullptr, nullptr, nullptr, nullptr, device, nullptr, CostModel{}, {}, max_tokens,
               /*shared_on_device=*/false) {}
-    static ExpertStoreConfig cpu_only_store(const Model &model) {
-        ExpertStoreConfig c;
-        c.fetchable.assign(size_t(model.hp().n_layer * model.hp().n_expert), 0);  // read in place, never copied
-        return c;
-    }
     ExpertStore store;
     PlacementPlan placement;
     HostMoeDevice device;

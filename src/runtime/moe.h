@@ -75,6 +75,12 @@ class CpuExpertRunner {
     std::vector<cpu::MatmulJob> jobs_;  // reused job lists
 };
 
+/// The combine of one token: out[0, n_embd) = sum over j = 0 .. k-1, in that order and from 0, of weights[j] *
+/// rows[pair_ids[j]] (rows: [pairs][n_embd] F32 expert outputs). HF and llama.cpp add the k expert outputs in top-k
+/// order; every executor on the host combines through this one loop, so their sums round alike.
+void combine_top_k(int64_t k, const int32_t *pair_ids, const float *weights, const float *rows, int64_t n_embd,
+                   float *out);
+
 /// The CPU engine's MoE block: the all-CPU plan through the one MoE executor (runtime/hybrid-moe.h) with the
 /// host as its device half, the experts read in place from the mapped weights.
 class CpuExpertExecutor final : public ExpertExecutor {

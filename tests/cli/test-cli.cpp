@@ -563,3 +563,59 @@ TEST(Cli, DeterministicLogitsDoNotDependOnHowThePromptIsSplit) {
     EXPECT_EQ(text, split.out.substr(0, split.out.find("stats:")));
     EXPECT_EQ(text, plain.out.substr(0, plain.out.find("stats:")));
 }
+
+// ---- issue 16: expert parallelism ---------------------------------------------------------------------------
+
+TEST(Cli, ExpertGroupsOnTheCpuGiveTheOneGpuTextAndLogits) {
+    // Groups planned from the demo's routing trace, run as 4 GPUs on the CPU: the same text and last logits as
+    // one GPU, with or without the groups file.
+    const std::string trace = std::string(PRESCOPE_SOURCE_DIR) + "/traces/demo-test.pstrace";
+    const std::string groups = tmp("demo-groups.json");
+    const RunResult plan = run("expert-groups --trace " + trace + " --gpus 4 -o " + groups);
+    ASSERT_EQ(plan.exit_code, 0) << plan.out;
+    EXPECT_NE(plan.out.find("GPUs per token and layer"), std::string::npos) << plan.out;
+    const RunResult check = run("expert-groups --trace " + trace + " --check " + groups);
+    EXPECT_EQ(check.exit_code, 0) << check.out;
+    EXPECT_NE(check.out.find("groups of --check"), std::string::npos) << check.out;
+
+    const std::string cmd = "generate -m " + demo_model() + " -p 'The Debian project is' -n 12 --temp 0 -b 4 ";
+    const RunResult one = run(cmd), ranges = run(cmd + "--gpus 4"),
+                    planned = run(cmd + "--gpus 4 --expert-groups " + groups);
+    for (const RunResult *r : {&one, &ranges, &planned}) ASSERT_EQ(r->exit_code, 0) << r->out;
+    EXPECT_EQ(logits_hash(one).size(), 16u) << one.out;
+    EXPECT_EQ(logits_hash(ranges), logits_hash(one));
+    EXPECT_EQ(logits_hash(planned), logits_hash(one));
+    const std::string text = one.out.substr(0, one.out.find("stats:"));
+    EXPECT_NE(ranges.out.find(text), std::string::npos) << ranges.out;
+    EXPECT_NE(planned.out.find("expert parallel: 4 GPUs simulated on the CPU"), std::string::npos) << planned.out;
+    EXPECT_NE(planned.out.find("groups from " + groups), std::string::npos) << planned.out;
+    EXPECT_NE(planned.out.find("GPUs per token and layer"), std::string::npos) << planned.out;
+    fs::remove(groups);
+}
+
+TEST(Cli, BadExpertGroupsAndGpuCountsAreOneLineErrors) {
+    const std::string trace = std::string(PRESCOPE_SOURCE_DIR) + "/traces/demo-test.pstrace";
+    const std::string groups = tmp("demo-groups-2.json");
+    ASSERT_EQ(run("expert-groups --trace " + trace + " --gpus 2 -o " + groups).exit_code, 0);
+    expect_generate_error(demo_model(), {groups + ": expert groups for 2 GPUs, --gpus is 4"},
+                          "-p hello -n 2 --gpus 4 --expert-groups " + groups);
+    expect_generate_error(valid_model(), {groups + ": expert groups for 12 MoE layers x 32 experts, the model has"},
+                          "-p hello -n 2 --gpus 2 --expert-groups " + groups);
+    const std::string broken = tmp("broken-groups.json");
+    std::ofstream(broken) << "{\"format\": \"prescope-expert-groups\", \"version\": 1, \"n_gpus\": 2, ";
+    expect_generate_error(demo_model(), {broken + ": not valid JSON"},
+                          "-p hello -n 2 --gpus 2 --expert-groups " + broken);
+    expect_generate_error(demo_model(), {"--gpus", "gpus: expected an integer in [1, 8], got '9'"}, "-p hello --gpus 9");
+    expect_generate_error(demo_model(), {"--gpus 2 with --gpu-expert-budget", "not built yet", "run the 2 expert groups"},
+                          "-p hello -n 2 --gpus 2 --gpu-expert-budget 1GiB");
+    expect_generate_error(valid_model(), {"--gpus 8: the model has 4 experts a layer"}, "-p hello -n 2 --gpus 8");
+    for (const std::string &args : {"--trace " + trace, "--trace " + trace + " --gpus 9",
+                                    "--trace " + trace + " --gpus 2 --tolerance -1",
+                                    "--trace " + trace + " --check " + broken}) {
+        const RunResult r = run("expert-groups " + args);
+        EXPECT_EQ(r.exit_code, 1) << args << ": " << r.out;
+        EXPECT_NE(line_of(r, "error: "), "") << args << ": " << r.out;
+    }
+    fs::remove(groups);
+    fs::remove(broken);
+}

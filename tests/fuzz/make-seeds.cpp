@@ -4,6 +4,7 @@
 #include "../common/random-trace.h"
 #include "../common/tiny-model.h"
 
+#include "offload/expert-groups.h"
 #include "offload/predictor-llapor.h"
 #include "offload/trace.h"
 
@@ -83,9 +84,17 @@ void config_seeds(const fs::path &dir) {
                "gpu_cache: 12GiB\ncache_policy: lfu\ncpu_threshold: 4\nstream_min_batch: 64\nprefetch_window: 2\n"
                "prefetch_max_per_layer: 3\npredict_max_tokens: 8\npredictor: frequency\nplacement: p.json\n"
                "routing_trace: t.pstrace\ngpu_device: 0\ncopy_chunk: 4MiB\ncopy_queue_depth: 4\n"
-               "copy_bandwidth_cap: 20GB\n");
+               "copy_bandwidth_cap: 20GB\ngpus: 4\nexpert_groups: g.json\n");
     write_text(dir / "small.yaml", "# comment\ngpu_cache: 512MiB\npredictor: none\n");
     write_text(dir / "flow.yaml", "{gpu_cache: 1G, cache_policy: arc}\n");
+}
+
+// Expert groups: consecutive ranges and groups planned from random routing, with one GPU, several, an uneven split.
+void expert_groups_seeds(const fs::path &dir) {
+    ExpertGroups::contiguous(2, 8, 1).save((dir / "one-gpu.json").string());
+    ExpertGroups::contiguous(3, 10, 4).save((dir / "uneven.json").string());
+    const RoutingTrace t = test::random_trace(4, 16, 4, {40}, 2, [](int32_t) { return 0.25f; });
+    plan_expert_groups(RoutingStats::of_trace(t), 8, 0.2).save((dir / "planned.json").string());
 }
 
 // Tokenizer inputs: first byte picks the vocabulary (fuzz-tokenizer.cpp), the rest is text.
@@ -134,6 +143,7 @@ int main(int argc, char **argv) {
     const std::vector<std::pair<std::string, void (*)(const fs::path &)>> targets = {
         {"fuzz-gguf", gguf_seeds},         {"fuzz-trace", trace_seeds},         {"fuzz-predictor", predictor_seeds},
         {"fuzz-config", config_seeds},     {"fuzz-tokenizer", tokenizer_seeds}, {"fuzz-chat", chat_seeds},
+        {"fuzz-expert-groups", expert_groups_seeds},
     };
     for (const auto &[name, make] : targets) {
         const fs::path dir = root / name;

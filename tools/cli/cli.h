@@ -43,5 +43,6 @@ void register_calibrate(CLI::App &app);
 void register_simulate(CLI::App &app);
 void register_schedule_check(CLI::App &app);
 void register_serve(CLI::App &app);
+void register_expert_groups(CLI::App &app);
 
 } // namespace prescope::cli

@@ -1,5 +1,5 @@
 // prescope: command line entry point. Subcommands: generate, perplexity, inspect, bench, trace,
-// train-predictor, eval-predictor, calibrate, simulate, schedule-check, serve; --version.
+// train-predictor, eval-predictor, calibrate, simulate, schedule-check, serve, expert-groups; --version.
 // Bad input ends with one "error: ..." line on stderr and exit code 1.
 #include "cli.h"
 
@@ -76,6 +76,7 @@ int main(int argc, char **argv) {
     prescope::cli::register_simulate(app);
     prescope::cli::register_schedule_check(app);
     prescope::cli::register_serve(app);
+    prescope::cli::register_expert_groups(app);
     // CLI11 would answer "A subcommand is required" to `prescope foo`: name the word instead.
     if (argc > 1 && argv[1][0] != '-') {
         std::string names;

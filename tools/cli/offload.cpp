@@ -52,6 +52,12 @@ constexpr std::array kFlags = {
     FlagSpec{"--cuda-graphs", "cuda_graphs",
              "on or off: a decode pass whose every expert has its home on the GPU is captured once as a CUDA graph "
              "and replayed"},
+    FlagSpec{"--gpus", "gpus",
+             "GPUs of expert parallelism, each holding one group of experts (1-8); more than 1 runs the groups on the "
+             "CPU, one after another (the GPU runtime refuses it for now)"},
+    FlagSpec{"--expert-groups", "expert_groups",
+             "expert groups JSON for --gpus N, written by `prescope expert-groups` (default: consecutive ranges, "
+             "re-planned from the routing as it drifts)"},
 };
 
 } // namespace

@@ -37,8 +37,10 @@ for f in src/backend/cuda/*.cu; do
     compile "$gen"
 done
 # gpu-calibrate.cpp is left out: the CPU library already holds calibrate_gpu's "no CUDA" stand-in, and the
-# tests do not calibrate (the emulation has no meaningful timings).
-for f in src/backend/cuda/*.cpp $(ls src/runtime/gpu-*.cpp | grep -v gpu-calibrate) src/runtime/engine.cpp \
+# tests do not calibrate (the emulation has no meaningful timings). nccl-all-to-all.cpp too: NCCL is not emulated
+# and these tests do not use it (tests/gpu/test-nccl-all-to-all.cpp runs on the GPU machine).
+for f in $(ls src/backend/cuda/*.cpp | grep -v nccl-) $(ls src/runtime/gpu-*.cpp | grep -v gpu-calibrate) \
+    src/runtime/engine.cpp \
     tests/gpu/test-gpu-offload.cpp "$EMU/cuda-emu.cpp" "$HERE/cuda-emu-runtime.cpp"; do
     compile "$f"
 done
