@@ -164,6 +164,7 @@ nlohmann::json CostProfile::to_json() const {
                       {"cpu_us_by_tokens", points_json(s.cpu_us)},
                       {"gpu_source", s.gpu_source},
                       {"cpu_source", s.cpu_source}});
+        if (s.cpu_layer_us >= 0) sh.back()["cpu_layer_us"] = s.cpu_layer_us;
     }
     return {{"format", "prescope-cost-profile"},
             {"version", 1},
@@ -243,6 +244,12 @@ CostProfile CostProfile::from_json(const nlohmann::json &j, std::string_view src
             t.shape = s["shape"].get<std::string>();
             if (s.contains("gpu_us_by_tokens")) t.gpu_us = points_from(s["gpu_us_by_tokens"], src, t.shape + ".gpu_us_by_tokens");
             if (s.contains("cpu_us_by_tokens")) t.cpu_us = points_from(s["cpu_us_by_tokens"], src, t.shape + ".cpu_us_by_tokens");
+            if (s.contains("cpu_layer_us")) {  // absent in profiles written before it was measured
+                if (!s["cpu_layer_us"].is_number() || !std::isfinite(s["cpu_layer_us"].get<double>())) {
+                    fail("{}: {}.cpu_layer_us must be a number (negative: not measured)", src, t.shape);
+                }
+                t.cpu_layer_us = s["cpu_layer_us"].get<double>();
+            }
             t.gpu_source = text(s, "gpu_source");
             t.cpu_source = text(s, "cpu_source");
             p.shapes.push_back(std::move(t));
@@ -308,6 +315,12 @@ double CostModel::host_read_gb_s() const {
     return numa_remote_ ? bw / profile_.numa_remote_factor : bw;
 }
 
+double CostModel::cpu_layer_us() const {
+    const bool measured = measured_ >= 0 && profile_.shapes[size_t(measured_)].cpu_layer_us >= 0 &&
+                          threads_ == profile_.cpu_threads;
+    return (measured ? profile_.shapes[size_t(measured_)].cpu_layer_us : profile_.cpu_layer_us) * corrections.cpu;
+}
+
 double CostModel::cpu_us(int64_t tokens) const {
     double us;
     if (measured_ >= 0 && !profile_.shapes[size_t(measured_)].cpu_us.empty() && threads_ == profile_.cpu_threads) {
@@ -334,9 +347,9 @@ std::string CostModel::describe() const {
                        "{:.0f} us + {:.1f} us/token per layer outside the experts [{}]\n",
                        gpu_us(1), gpu_us(64), gpu_us(512), gpu_wave_us(), profile_.gpu_layer_us,
                        profile_.gpu_layer_us_per_token, gpu_measured ? m->gpu_source : profile_.gpu_source);
-    out += fmt::format("  CPU: expert {:.1f} / {:.1f} / {:.1f} us at 1 / 64 / 512 tokens; host read {:.1f} GB/s at {} "
-                       "threads{} [{}]\n",
-                       cpu_us(1), cpu_us(64), cpu_us(512), host_read_gb_s(), threads_,
+    out += fmt::format("  CPU: expert {:.1f} / {:.1f} / {:.1f} us at 1 / 64 / 512 tokens + {:.1f} us per layer with CPU "
+                       "experts; host read {:.1f} GB/s at {} threads{} [{}]\n",
+                       cpu_us(1), cpu_us(64), cpu_us(512), cpu_layer_us(), host_read_gb_s(), threads_,
                        numa_remote_ ? fmt::format(" (remote NUMA node, x{:.2f})", profile_.numa_remote_factor) : "",
                        cpu_measured ? m->cpu_source : profile_.cpu_source);
     if (corrections.cpu != 1 || corrections.gpu != 1 || corrections.link != 1) {
@@ -354,6 +367,7 @@ nlohmann::json CostModel::to_json() const {
             {"fetch_us", fetch_us()},
             {"gpu_us_1", gpu_us(1)},
             {"cpu_us_1", cpu_us(1)},
+            {"cpu_layer_us", cpu_layer_us()},
             {"corrections", {{"cpu", corrections.cpu}, {"gpu", corrections.gpu}, {"link", corrections.link}}},
             {"profile_source", profile_.source}};
 }

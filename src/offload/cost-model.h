@@ -46,7 +46,10 @@ double interpolate(const std::vector<CostPoint> &points, double x);
 struct ShapeTimings {
     std::string shape;                // ExpertShape::key()
     std::vector<CostPoint> gpu_us;    // tokens -> microseconds of one expert inside a grouped launch
-    std::vector<CostPoint> cpu_us;    // tokens -> microseconds of one expert on the CPU at cpu_threads
+    std::vector<CostPoint> cpu_us;    // tokens -> microseconds one more expert adds to a layer's CPU share at
+                                      // cpu_threads (with cpu_layer_us measured; else a lone expert's time)
+    double cpu_layer_us = -1;         // fixed time of a layer's CPU share (parallel regions, gathers), or < 0:
+                                      // not measured (the profile's cpu_layer_us)
     std::string gpu_source, cpu_source;
 };
 
@@ -134,7 +137,8 @@ class CostModel {
     /// One expert with `tokens` tokens on the CPU at threads() threads.
     double cpu_us(int64_t tokens) const;
     double gpu_wave_us() const { return profile_.gpu_wave_us * corrections.gpu; }
-    double cpu_layer_us() const { return profile_.cpu_layer_us * corrections.cpu; }
+    /// The fixed part of a layer's CPU share: the shape's measured term, else the profile's.
+    double cpu_layer_us() const;
     /// The non-expert part of a layer for a batch of n_tokens (attention, router, routing copy).
     double layer_us(int64_t n_tokens) const {
         return profile_.gpu_layer_us + profile_.gpu_layer_us_per_token * double(n_tokens);

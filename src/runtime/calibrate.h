@@ -21,9 +21,17 @@ std::string cpu_model_name();
 /// best of a few passes; within about budget_s seconds.
 std::vector<CostPoint> measure_host_read(int32_t threads, double budget_s);
 
-/// One expert of `layer` (a layer with experts) on the CPU (the executor's batched runner) at 1, 2, 4, ... tokens with `threads`
-/// threads, best of a few runs each, until budget_s seconds are spent or 512 tokens are reached.
-std::vector<CostPoint> measure_cpu_expert(const Model &model, int32_t layer, int32_t threads, double budget_s);
+/// A layer's CPU share split into a fixed part and a per-expert part (microseconds at the measured threads).
+struct CpuExpertTimings {
+    std::vector<CostPoint> us_by_tokens;  // tokens -> what one more expert with that many tokens adds
+    double layer_us = -1;                 // the fixed part (< 0: not split, a model with one expert per layer)
+};
+
+/// One expert of `layer` (a layer with experts) on the CPU (the executor's batched runner) at 1, 2, 4, ... tokens
+/// with `threads` threads, best of a few runs each, until budget_s seconds are spent or 512 tokens are reached;
+/// then min(8, n_expert) experts at one token each in one run, which splits a lone expert's time into the layer's
+/// fixed part (parallel regions, gathers: ShapeTimings::cpu_layer_us) and the expert's own.
+CpuExpertTimings measure_cpu_expert(const Model &model, int32_t layer, int32_t threads, double budget_s);
 
 /// Measures the CPU terms into `profile`: name, threads, host read bandwidth, and the model's expert shape
 /// (layer 0) CPU timings, each labelled "measured ...". About budget_s seconds.

@@ -4,6 +4,7 @@
 #include "../common/tiny-model.h"
 
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include <array>
 #include <atomic>
@@ -245,6 +246,10 @@ TEST(Cli, CalibrateWritesAProfileSayingWhatWasMeasured) {
     const std::string text{std::istreambuf_iterator<char>(in), {}};
     EXPECT_NE(text.find("CPU terms measured"), std::string::npos) << text;
     EXPECT_NE(text.find("cpu_us_by_tokens"), std::string::npos) << text;
+    // The layer's fixed CPU part, split from the experts' own by a run of several experts (decision 0145).
+    const nlohmann::json j = nlohmann::json::parse(text);
+    ASSERT_FALSE(j["shapes"].empty()) << text;
+    EXPECT_GE(j["shapes"][0].value("cpu_layer_us", -1.0), 0.0) << text;
     // A machine without a GPU keeps the reference's GPU terms and says so.
     if (r.out.find("no GPU measurement") != std::string::npos) {
         EXPECT_NE(text.find("not measured"), std::string::npos) << text;

@@ -455,8 +455,22 @@ TEST(CostModel, ReferenceTermsAndMeasuredPointsAndProfileRoundTrip) {
     const CostModel measured(p, mixtral, 16, 4 << 20);
     EXPECT_DOUBLE_EQ(measured.cpu_us(2), 3200);
     EXPECT_DOUBLE_EQ(measured.cpu_us(8), 4400);  // the last segment extended
+    // A measured fixed part of a layer's CPU share wins over the profile's (10 us) at the measured threads only.
+    EXPECT_DOUBLE_EQ(measured.cpu_layer_us(), 10);
+    t.cpu_layer_us = 120;
+    EXPECT_DOUBLE_EQ(CostModel(p, mixtral, 16, 4 << 20).cpu_layer_us(), 120);
+    EXPECT_DOUBLE_EQ(CostModel(p, mixtral, 8, 4 << 20).cpu_layer_us(), 10);
     const CostProfile back = CostProfile::from_json(nlohmann::json::parse(p.to_json().dump()), "x");
     EXPECT_EQ(back.to_json(), p.to_json());
+    EXPECT_DOUBLE_EQ(back.find_shape(mixtral.key())->cpu_layer_us, 120);
+    nlohmann::json bad_layer = p.to_json();
+    for (nlohmann::json &s : bad_layer["shapes"]) s["cpu_layer_us"] = "fast";
+    try {
+        CostProfile::from_json(bad_layer, "prof.json");
+        FAIL() << "no error";
+    } catch (const Error &e) {
+        EXPECT_NE(std::string(e.what()).find(mixtral.key() + ".cpu_layer_us"), std::string::npos) << e.what();
+    }
     nlohmann::json bad = p.to_json();
     bad["link"]["h2d_gb_s_by_chunk_bytes"] = nlohmann::json::array({nlohmann::json::array({1, -2})});
     try {
