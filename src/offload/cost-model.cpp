@@ -2,6 +2,7 @@
 #include "offload/cost-model.h"
 
 #include "core/error.h"
+#include "core/json-file.h"
 #include "core/output-file.h"
 #include "offload/byte-size.h"
 #include "offload/expert-store.h"
@@ -11,7 +12,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <fstream>
 
 namespace prescope {
 
@@ -259,15 +259,7 @@ CostProfile CostProfile::from_json(const nlohmann::json &j, std::string_view src
 }
 
 CostProfile CostProfile::load(const std::string &path) {
-    std::ifstream in(path);
-    if (!in) fail("{}: cannot open the cost profile", path);
-    nlohmann::json j;
-    try {
-        j = nlohmann::json::parse(in);
-    } catch (const nlohmann::json::exception &e) {
-        fail("{}: not valid JSON: {}", path, e.what());
-    }
-    return from_json(j, path);
+    return from_json(read_json_file(path, "the cost profile"), path);
 }
 
 void CostProfile::save(const std::string &path) const {

@@ -2,6 +2,7 @@
 #include "offload/expert-groups.h"
 
 #include "core/error.h"
+#include "core/json-file.h"
 #include "core/output-file.h"
 #include "offload/trace.h"
 
@@ -10,7 +11,6 @@
 
 #include <algorithm>
 #include <bit>
-#include <fstream>
 #include <numeric>
 
 namespace prescope {
@@ -132,15 +132,7 @@ ExpertGroups ExpertGroups::from_json(const nlohmann::json &j, std::string_view s
 }
 
 ExpertGroups ExpertGroups::load(const std::string &path) {
-    std::ifstream in(path);
-    if (!in) fail("{}: cannot open expert groups", path);
-    nlohmann::json j;
-    try {
-        j = nlohmann::json::parse(in);
-    } catch (const nlohmann::json::exception &e) {
-        fail("{}: not valid JSON: {}", path, e.what());
-    }
-    return from_json(j, path);
+    return from_json(read_json_file(path, "expert groups"), path);
 }
 
 void ExpertGroups::save(const std::string &path) const { write_file_atomic(path, to_json().dump(2) + "\n"); }

@@ -2,6 +2,7 @@
 #include "offload/placement.h"
 
 #include "core/error.h"
+#include "core/json-file.h"
 #include "core/output-file.h"
 #include "offload/expert-cache.h"
 
@@ -9,7 +10,6 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
-#include <fstream>
 
 namespace prescope {
 
@@ -135,15 +135,7 @@ PlacementPlan PlacementPlan::from_json(const nlohmann::json &j, std::string_view
 }
 
 PlacementPlan PlacementPlan::load(const std::string &path) {
-    std::ifstream in(path);
-    if (!in) fail("{}: cannot open placement plan", path);
-    nlohmann::json j;
-    try {
-        j = nlohmann::json::parse(in);
-    } catch (const nlohmann::json::exception &e) {
-        fail("{}: not valid JSON: {}", path, e.what());
-    }
-    return from_json(j, path);
+    return from_json(read_json_file(path, "placement plan"), path);
 }
 
 void PlacementPlan::save(const std::string &path) const {
