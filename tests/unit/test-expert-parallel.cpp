@@ -1,6 +1,7 @@
 // Expert parallelism on the CPU (issue 16): expert groups (planning, balance, JSON), the dispatch plan, the
 // in-process all-to-all, and the expert-parallel executor against the one-GPU MoE block, bit for bit.
 #include "../common/error-of.h"
+#include "../common/greedy-logits.h"
 #include "../common/random-trace.h"
 #include "arch/arch.h"
 #include "offload/all-to-all.h"
@@ -362,18 +363,7 @@ namespace {
 
 // Prefill of a fixed prompt in passes of n_batch tokens (all logits), then greedy decode; every logit.
 std::vector<float> run_tokens(const Model &model, ExpertExecutor *executor, int64_t n_batch, int n_prompt, int n_decode) {
-    Context ctx(model, {128, n_batch}, executor);
-    std::vector<int32_t> prompt;
-    for (int i = 0; i < n_prompt; ++i) prompt.push_back(int32_t((i * 37 + 5) % model.hp().n_vocab));
-    ctx.eval(prompt, /*all_logits=*/true);
-    std::vector<float> all = ctx.logits();
-    for (int i = 0; i < n_decode; ++i) {
-        const float *l = ctx.logits().data() + ctx.logits().size() - size_t(model.hp().n_vocab);
-        const auto next = int32_t(std::max_element(l, l + model.hp().n_vocab) - l);
-        ctx.eval({&next, 1});
-        all.insert(all.end(), ctx.logits().begin(), ctx.logits().end());
-    }
-    return all;
+    return test::greedy_logits(model, executor, 128, n_batch, n_prompt, n_decode);
 }
 
 size_t bits_differing(const std::vector<float> &a, const std::vector<float> &b) {

@@ -2,6 +2,7 @@
 // the whole offload path (expert store, hot-expert table, copy engine, loader, decisions, prefetch, combine)
 // with "GPU" experts computed on the host from the bytes that reached their slots. Offloading must not
 // change the numbers: the logits equal the plain CPU executor's bit for bit, whatever the budget.
+#include "../common/greedy-logits.h"
 #include "../common/tiny-model.h"
 #include "arch/arch.h"
 #include "core/error.h"
@@ -351,18 +352,7 @@ constexpr int64_t kBatch = 5;  // prefill in pieces of 5 tokens
 
 // Prefill of a fixed prompt (all logits) followed by greedy decode steps; every logit of every step.
 std::vector<float> run_tokens(const Model &model, ExpertExecutor *executor, int n_decode) {
-    Context ctx(model, {64, kBatch}, executor);
-    std::vector<int32_t> prompt;
-    for (int i = 0; i < 11; ++i) prompt.push_back(int32_t((i * 37 + 5) % model.hp().n_vocab));
-    ctx.eval(prompt, /*all_logits=*/true);
-    std::vector<float> all = ctx.logits();
-    for (int i = 0; i < n_decode; ++i) {
-        const float *l = ctx.logits().data() + ctx.logits().size() - size_t(model.hp().n_vocab);
-        const auto next = int32_t(std::max_element(l, l + model.hp().n_vocab) - l);
-        ctx.eval({&next, 1});
-        all.insert(all.end(), ctx.logits().begin(), ctx.logits().end());
-    }
-    return all;
+    return test::greedy_logits(model, executor, 64, kBatch, 11, n_decode);
 }
 
 void expect_bitwise_equal(const std::vector<float> &a, const std::vector<float> &b) {
