@@ -1,7 +1,8 @@
 // Matrix products (matmul.cuh): the GEMV kernel for few tokens (any weight dtype, one launch for all
 // experts of a layer), the cuBLAS path for many tokens, and the activation quantizer that makes both
 // multiply what the CPU's integer dot products multiply. Decisions: docs/decisions/0040-cuda-matmul.md,
-// 0062-cuda-weight-types.md.
+// 0062-cuda-weight-types.md, 0143-decode-launch-fusions.md (in-kernel quantization, SwiGLU and residual
+// epilogues, integer Q8_0 products).
 #include "backend/cuda/matmul.cuh"
 
 #include "backend/cuda/convert.cuh"
@@ -25,7 +26,9 @@ namespace {
 // shared memory in slices with 16-byte cp.async copies, two stages deep, so loads stay coalesced and
 // in flight whatever the dtype (a Q8_0 block is 34 bytes: 16-byte loads straight into registers
 // would straddle blocks). Each lane then converts 8 weights at a time to F32 in registers and
-// multiplies them with the tokens' activations (read through L1: all warps of a block share them).
+// multiplies them with the tokens' activations (read through L1: all warps of a block share them), or, for one
+// token against Q8_0 weights, multiplies the weights' quants with the token's (quantized into shared memory by
+// the block) in integers.
 
 constexpr int kMmvThreads = 128;
 constexpr int kMmvWarps = kMmvThreads / kWarp;

@@ -68,7 +68,8 @@ struct MatmulPart {
 /// and up). Parts of one type share the activations' quantization (and, on the cuBLAS path, their conversion)
 /// and, on the GEMV path, one launch; parts of different types (a Q4_K_M file's Q6_K wv) run as separate
 /// matmuls. Each part's y equals a matmul of that part alone bit for bit. Rules for w, x and ws as for matmul;
-/// ws must hold matmul_workspace_bytes of every part.
+/// ws must hold matmul_workspace_bytes of every part. One token on the GEMV path quantizes its activations in the
+/// kernel (quantize_activations's values), and Q8_0 weights then multiply in integers (decision 0143).
 void matmul_parts(std::span<const MatmulPart> parts, int64_t n_in, const float *x, int64_t n_tok, Workspace ws,
                   cudaStream_t stream, MatmulPath path = MatmulPath::AUTO);
 
