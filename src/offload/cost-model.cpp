@@ -193,10 +193,7 @@ nlohmann::json CostProfile::to_json() const {
 }
 
 CostProfile CostProfile::from_json(const nlohmann::json &j, std::string_view src) {
-    if (!j.is_object() || !j.contains("format") || j["format"] != "prescope-cost-profile") {
-        fail("{}: not a cost profile ('format' must be \"prescope-cost-profile\")", src);
-    }
-    if (!j.contains("version") || j["version"] != 1) fail("{}: 'version' must be 1", src);
+    check_json_header(j, src, "prescope-cost-profile", "a cost profile");
     CostProfile p;
     p.source = text(j, "source");
     p.gpu = text(j, "gpu");

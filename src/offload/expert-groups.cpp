@@ -75,13 +75,7 @@ nlohmann::json ExpertGroups::to_json() const {
 }
 
 ExpertGroups ExpertGroups::from_json(const nlohmann::json &j, std::string_view source) {
-    if (!j.is_object()) fail("{}: expert groups must be a JSON object", source);
-    if (!j.contains("format") || j["format"] != "prescope-expert-groups") {
-        fail("{}: 'format' must be \"prescope-expert-groups\"", source);
-    }
-    if (!j.contains("version") || !j["version"].is_number_integer() || j["version"].get<int64_t>() != 1) {
-        fail("{}: 'version' must be 1", source);
-    }
+    check_json_header(j, source, "prescope-expert-groups", "expert groups");
     auto count = [&](const char *key, int64_t hi) {
         if (!j.contains(key) || !j[key].is_number_integer() || j[key].get<int64_t>() < 1 ||
             j[key].get<int64_t>() > hi) {

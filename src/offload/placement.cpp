@@ -89,13 +89,7 @@ nlohmann::json PlacementPlan::to_json() const {
 }
 
 PlacementPlan PlacementPlan::from_json(const nlohmann::json &j, std::string_view source) {
-    if (!j.is_object()) fail("{}: a placement plan must be a JSON object", source);
-    if (!j.contains("format") || j["format"] != "prescope-placement") {
-        fail("{}: 'format' must be \"prescope-placement\"", source);
-    }
-    if (!j.contains("version") || !j["version"].is_number_integer() || j["version"].get<int>() != 1) {
-        fail("{}: 'version' must be 1", source);
-    }
+    check_json_header(j, source, "prescope-placement", "a placement plan");
     auto get_count = [&](const char *key) {
         if (!j.contains(key) || !j[key].is_number_integer() || j[key].get<int64_t>() <= 0 ||
             j[key].get<int64_t>() > (1 << 20)) {
