@@ -5,8 +5,9 @@ Tokens are the windows between consecutive device-to-host copies of the logits: 
 --token-copy-bytes, by default the size of the trace's last device-to-host copy of at least 64 KiB (the last
 token's logits; the layers' routing copies of a decode step are far smaller, a prefill's are not). The first --skip windows (prefill and the
 first decode steps) are left out. Per window: span (one token's time), busy (the union of kernel, memcpy and memset
-intervals on the device), idle = span - busy; per kernel name: launches and device time per token. Prints a table
-and, with --json, writes the numbers.
+intervals on the device), idle = span - busy; per kernel name: launches and device time per token; the idle time by
+where it falls (the record that ended before each gap and the one that starts it), so that an idle share names the
+host work it waits for. Prints tables and, with --json, writes the numbers.
 
     python3 bench/profile/timeline.py trace.csv [--skip 4] [--top 25] [--json out.json]
 """
@@ -25,6 +26,27 @@ def load(path):
                 for r in csv.DictReader(f)]
     rows.sort(key=lambda r: r[1])
     return rows
+
+
+def label(record):
+    """A record's name in the gap table: the kernel's, or the copy's direction and size."""
+    kind, _, _, nbytes, copy_kind, name = record
+    if kind == "K":
+        return name[:60]
+    direction = {1: "HtoD", 2: "DtoH", 8: "DtoD"}.get(copy_kind, str(copy_kind))
+    return f"{'memcpy' if kind == 'C' else 'memset'} {direction} {nbytes} B"
+
+
+def gaps(records, w0, w1, by_gap):
+    """Adds each idle gap of a window (records sorted by start, clipped to it) to by_gap[(before, after)] (ns)."""
+    last_end, last = w0, "token start"
+    for r in records:
+        if r[1] > last_end:
+            by_gap[(last, label(r))] += r[1] - last_end
+        if min(r[2], w1) >= last_end:
+            last_end, last = min(r[2], w1), label(r)
+    if w1 > last_end:
+        by_gap[(last, "token end")] += w1 - last_end
 
 
 def union_ns(intervals):
@@ -55,6 +77,7 @@ def summarise(rows, token_copy_bytes, skip):
     windows = list(zip(marks[skip:-1], marks[skip + 1:]))
     per_token = []
     by_name = defaultdict(lambda: [0, 0])  # name -> [launches, ns] over all windows
+    by_gap = defaultdict(int)  # (record before, record after) -> idle ns over all windows
     i = 0
     for w0, w1 in windows:
         while i < len(rows) and rows[i][1] < w0:
@@ -62,7 +85,9 @@ def summarise(rows, token_copy_bytes, skip):
         j = i
         inside = []
         launches = 0
+        window = []
         while j < len(rows) and rows[j][1] < w1:
+            window.append(rows[j])
             k, s, e, _, _, name = rows[j]
             inside.append((s, min(e, w1)))
             if k == "K":
@@ -71,14 +96,17 @@ def summarise(rows, token_copy_bytes, skip):
                 by_name[name][1] += e - s
             j += 1
         busy = union_ns(inside)
+        gaps(window, w0, w1, by_gap)
         per_token.append({"span_us": (w1 - w0) / 1e3, "busy_us": busy / 1e3, "idle_us": (w1 - w0 - busy) / 1e3,
                           "launches": launches})
     n = len(windows)
     mean = {k: statistics.fmean(t[k] for t in per_token) for k in per_token[0]}
     kernels = sorted(({"name": k, "launches_per_token": v[0] / n, "us_per_token": v[1] / 1e3 / n}
                       for k, v in by_name.items()), key=lambda d: -d["us_per_token"])
+    idle = sorted(({"before": b, "after": a, "us_per_token": ns / 1e3 / n} for (b, a), ns in by_gap.items()),
+                  key=lambda d: -d["us_per_token"])
     return {"tokens": n, "mean": mean, "median_span_us": statistics.median(t["span_us"] for t in per_token),
-            "kernels": kernels}
+            "kernels": kernels, "idle": idle}
 
 
 def main():
@@ -98,6 +126,9 @@ def main():
     for k in s["kernels"][:a.top]:
         print(f"{k['us_per_token']:>9.1f} {k['launches_per_token']:>8.1f} "
               f"{k['us_per_token'] / max(k['launches_per_token'], 1e-9):>9.2f}  {k['name'][:110]}")
+    print(f"{'idle us/token':>13}  between")
+    for g in s["idle"][:10]:
+        print(f"{g['us_per_token']:>13.1f}  {g['before']} -> {g['after']}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(s, f, indent=1)

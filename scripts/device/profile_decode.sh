@@ -83,5 +83,6 @@ fi
 pgrep -f peer/build.sh > /dev/null && say "peer build still running: its binaries will not come back"
 say "done in $((SECONDS - T0)) s"
 # Few files come back from a call: everything but the summary and the peer's binaries goes into one archive.
-(cd "$OUT" && tar czf profile.tgz --exclude=profile.tgz --exclude=summary.txt --exclude=peer-bin . &&
+# (Written outside $OUT and moved in: tar of a folder that grows under it exits 1, "file changed as we read it".)
+(cd "$OUT" && tar czf /tmp/profile.tgz --exclude=summary.txt --exclude=peer-bin . && mv /tmp/profile.tgz . &&
     find . -mindepth 1 -maxdepth 1 ! -name profile.tgz ! -name summary.txt ! -name peer-bin -exec rm -rf {} +)
