@@ -53,7 +53,7 @@ for trace in "${TRACES[@]}"; do
                     states+=("$st")
                 fi
                 "$PRESCOPE" simulate --trace "$t" --shape "$shape" --budget "$b" --cpu-threshold "$rule" \
-                    --predictor recency --prefetch-window 1 -p 512 -n 128 --no-balance "${PROFILE_ARGS[@]}" "${dump[@]}" \
+                    --predictor recency --prefetch-window 1 -p 512 -n 128 --load-balance off "${PROFILE_ARGS[@]}" "${dump[@]}" \
                     --label "$ROUTING ($name)" 2>/dev/null >> "$rows"
             done
         done
@@ -62,9 +62,9 @@ for trace in "${TRACES[@]}"; do
         # layer, so the split between the CPU and the link can move).
         if [ "$shape" = qwen3-30b-a3b ]; then
             for truth in cpu=1.5,link=1.25 cpu=0.6; do
-                for bal in "" --no-balance; do
+                for bal in on link off; do
                     "$PRESCOPE" simulate --trace "$t" --shape "$shape" --budget 4GiB --predictor recency -p 512 -n 128 \
-                        --truth "$truth" $bal "${PROFILE_ARGS[@]}" --label "$ROUTING ($name) truth $truth ${bal:-balance}" \
+                        --truth "$truth" --load-balance $bal "${PROFILE_ARGS[@]}" --label "$ROUTING ($name) truth $truth balance $bal" \
                         2>/dev/null >> "$rows"
                 done
             done

@@ -232,7 +232,7 @@ void LayerPlanner::plan_prefetch(LayerPlan &plan) {
 
 void LayerPlanner::observe(const LayerMeasurement &m, LayerStats &stats) {
     balancer_.observe(m, stats, config_.balance);
-    if (config_.balance) cost_.corrections = balancer_.corrections();
+    cost_.corrections = balancer_.corrections();
 }
 
 void LayerPlanner::dump() {

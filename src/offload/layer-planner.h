@@ -31,7 +31,7 @@ struct PlannerConfig {
     int32_t max_prefetch_in_flight = 8;  // prefetch requests outstanding at most (cost rule)
     int32_t residency_horizon = 256;     // most steps of a layer over which keeping an expert resident is valued
                                          // (fewer when the layer's slots turn over faster)
-    bool balance = true;                 // apply the load balancer's corrections to the cost model
+    LoadBalance balance = LoadBalance::LINK;  // which of the load balancer's corrections the cost model takes
     std::string dump_path;               // write every planned layer's state here (JSON lines), "" = off
 };
 

@@ -18,14 +18,23 @@ bool LoadBalancer::update(double &factor, double work_us, double predicted_us) {
     return std::abs(factor / before - 1.0) > config_.count_change;
 }
 
-void LoadBalancer::observe(const LayerMeasurement &m, LayerStats &stats, bool learn) {
-    if (learn) {
-        int changed = 0;
+const char *load_balance_name(LoadBalance mode) {
+    switch (mode) {
+    case LoadBalance::OFF: return "off";
+    case LoadBalance::LINK: return "link";
+    case LoadBalance::ON: return "on";
+    }
+    return "?";
+}
+
+void LoadBalancer::observe(const LayerMeasurement &m, LayerStats &stats, LoadBalance mode) {
+    int changed = 0;
+    if (mode == LoadBalance::ON) {
         changed += update(corrections_.cpu, m.cpu_work_us, m.cpu_predicted_us);
         changed += update(corrections_.gpu, m.gpu_work_us, m.gpu_predicted_us);
-        changed += update(corrections_.link, m.link_work_us, m.link_predicted_us);
-        stats.corrections += uint64_t(changed);
     }
+    if (mode != LoadBalance::OFF) changed += update(corrections_.link, m.link_work_us, m.link_predicted_us);
+    stats.corrections += uint64_t(changed);
     if (m.cpu_end_us >= 0 && m.gpu_end_us >= 0) {
         stats.finish_gap_us += m.cpu_end_us - m.gpu_end_us;
         stats.finish_gap_abs_us += std::abs(m.cpu_end_us - m.gpu_end_us);

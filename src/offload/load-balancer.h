@@ -12,6 +12,18 @@ namespace prescope {
 
 struct LayerStats;
 
+/// Which corrections the balancer learns (the config key load_balance, decision 0146). The copy engine's
+/// achieved speed is event-timed busy time, right in prefill and decode alike; the CPU and GPU times mix
+/// batch sizes and waits (decision 0087), so they are learned only when asked for.
+enum class LoadBalance : uint8_t {
+    OFF,   // the profile's times as they are
+    LINK,  // the link from the copy engine's achieved speed (the default)
+    ON,    // the link, the CPU and the GPU
+};
+
+/// "off", "link" or "on".
+const char *load_balance_name(LoadBalance mode);
+
 struct LoadBalancerConfig {
     double rate = 0.25;        // weight of a new measurement (exponential moving average of log ratios)
     double min_factor = 0.25;  // corrections stay in [min_factor, max_factor]
@@ -32,9 +44,9 @@ struct LayerMeasurement {
 class LoadBalancer {
   public:
     explicit LoadBalancer(LoadBalancerConfig config = {}) : config_(config) {}
-    /// Folds one layer's measurements into the corrections (when learn; the predictions must have been made with
-    /// the current corrections); adds the finish gap, and the corrections made, to `stats`.
-    void observe(const LayerMeasurement &m, LayerStats &stats, bool learn = true);
+    /// Folds one layer's measurements into the corrections `mode` learns (the predictions must have been made
+    /// with the current corrections; the others stay 1); adds the finish gap, and the corrections made, to `stats`.
+    void observe(const LayerMeasurement &m, LayerStats &stats, LoadBalance mode = LoadBalance::ON);
     const CostCorrections &corrections() const { return corrections_; }
     /// Recent expert-part time of a layer (moving average of layer_us), 0 before the first.
     double layer_estimate_us() const { return layer_estimate_us_; }

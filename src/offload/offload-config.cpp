@@ -77,14 +77,21 @@ void OffloadConfig::set(std::string_view key, std::string_view value, std::strin
         copy.bandwidth_cap_bytes_per_s = double(parse_byte_size(value, where));
     } else if (key == "cost_profile") {
         cost_profile = std::string(value);
-    } else if (key == "load_balance" || key == "device_hits" || key == "device_steps" || key == "cuda_graphs") {
+    } else if (key == "load_balance") {
+        if (value == "link") {
+            load_balance = LoadBalance::LINK;
+        } else if (value == "on" || value == "true") {
+            load_balance = LoadBalance::ON;
+        } else if (value == "off" || value == "false") {
+            load_balance = LoadBalance::OFF;
+        } else {
+            fail("{}: expected off, link or on, got '{}'", where, value);
+        }
+    } else if (key == "device_hits" || key == "device_steps" || key == "cuda_graphs") {
         if (value != "on" && value != "off" && value != "true" && value != "false") {
             fail("{}: expected on or off, got '{}'", where, value);
         }
-        bool &flag = key == "load_balance" ? load_balance
-                     : key == "device_hits"  ? device_hits
-                     : key == "device_steps" ? device_steps
-                                             : cuda_graphs;
+        bool &flag = key == "device_hits" ? device_hits : key == "device_steps" ? device_steps : cuda_graphs;
         flag = value == "on" || value == "true";
     } else if (key == "prefetch_in_flight") {
         prefetch_in_flight = int32_t(parse_int(value, 1, 1024, source, key));
@@ -182,7 +189,7 @@ std::string OffloadConfig::get(std::string_view key) const {
     if (key == "cost_profile") {
         return cost_profile.empty() ? "built-in H200 reference (GPU, link), CPU measured at start-up" : cost_profile;
     }
-    if (key == "load_balance") return load_balance ? "on" : "off";
+    if (key == "load_balance") return load_balance_name(load_balance);
     if (key == "device_hits") return device_hits ? "on" : "off";
     if (key == "device_steps") return device_steps ? "on" : "off";
     if (key == "cuda_graphs") return cuda_graphs ? "on" : "off";
@@ -221,7 +228,7 @@ nlohmann::json OffloadConfig::to_json() const {
     j["copy_queue_depth"] = copy.queue_depth;
     j["copy_bandwidth_cap_bytes_per_s"] = copy.bandwidth_cap_bytes_per_s;
     j["cost_profile"] = cost_profile;
-    j["load_balance"] = load_balance;
+    j["load_balance"] = load_balance_name(load_balance);
     j["device_hits"] = device_hits;
     j["device_steps"] = device_steps;
     j["cuda_graphs"] = cuda_graphs;

@@ -4,6 +4,7 @@
 
 #include "offload/copy-engine.h"
 #include "offload/eviction-policy.h"
+#include "offload/load-balancer.h"
 
 #include <nlohmann/json_fwd.hpp>
 
@@ -33,7 +34,8 @@ struct OffloadConfig {
     CopyEngineConfig copy;             // copy_chunk, copy_queue_depth, copy_bandwidth_cap
     std::string cost_profile;          // cost profile JSON (prescope calibrate); empty = the built-in H200 reference
                                        // for the GPU and link terms, the CPU terms measured at start-up
-    bool load_balance = false;         // correct the cost model online from measured times (off: decision 0087)
+    LoadBalance load_balance = LoadBalance::LINK;  // which cost-model terms are corrected online from measured
+                                       // times: off | link (the copy engine's speed; 0146) | on (and CPU, GPU: 0087)
     int32_t prefetch_in_flight = 8;    // prefetch requests outstanding at most (cost rule)
     std::string numa = "gpu";          // gpu | distribute | isolate | numactl (runtime/numa.h)
     std::string dump_layer_states;     // write every layer's scheduler state here (JSON lines; schedule-check)

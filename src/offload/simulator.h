@@ -6,6 +6,7 @@
 #pragma once
 
 #include "offload/cost-model.h"
+#include "offload/load-balancer.h"
 #include "offload/eviction-policy.h"
 #include "offload/layer-stats.h"
 #include "offload/trace.h"
@@ -34,7 +35,7 @@ struct SimConfig {
     uint64_t chunk_bytes = uint64_t(4) << 20;
     int32_t queue_depth = 4;
     CostCorrections truth;                       // the machine is this far from the profile (the balancer's job)
-    bool balance = true;
+    LoadBalance balance = LoadBalance::LINK;  // the runtime's default (decision 0146)
     std::string dump_path;                       // layer states of every planned layer (JSON lines)
 };
 

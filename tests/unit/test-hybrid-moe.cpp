@@ -314,7 +314,7 @@ struct Rig {
         hc.planner.cpu_threshold = o.cpu_threshold;
         hc.planner.stream_min_batch = o.stream_min_batch;
         hc.planner.prefetch_window = o.prefetch_window;
-        hc.planner.balance = o.balance;
+        hc.planner.balance = o.balance ? LoadBalance::ON : LoadBalance::OFF;
         const ExpertShape shape = ExpertShape::of(store.layout(int32_t(hp.n_layer_dense)));
         const CostModel cost(o.profile ? *o.profile : CostProfile::h200_reference(), shape, 1, ec.chunk_bytes);
         // Models with a shared expert run it on the device, as GpuContext does.

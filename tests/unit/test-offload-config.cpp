@@ -120,7 +120,14 @@ TEST(OffloadConfig, SeedStyleSectionsAndKeysWithoutEffect) {
     g.set("cpu_threshold", "auto", "f");
     EXPECT_EQ(g.cpu_threshold, -1);
     EXPECT_TRUE(g.no_effect_warnings().empty());
+    EXPECT_EQ(g.load_balance, LoadBalance::LINK);  // the default: the copy speed only (decision 0146)
+    EXPECT_EQ(g.get("load_balance"), "link");
+    g.set("load_balance", "on", "f");
+    EXPECT_EQ(g.load_balance, LoadBalance::ON);
+    EXPECT_NE(error_of([&] { g.set("load_balance", "cpu", "f"); }).find("f: load_balance: expected off, link or on, got 'cpu'"),
+              std::string::npos);
     g.set("load_balance", "off", "f");
+    EXPECT_EQ(g.load_balance, LoadBalance::OFF);
     g.set("cpu_threshold", "2", "f");
     EXPECT_NE(g.no_effect("load_balance").find("threshold rule"), std::string::npos);
     const fs::path deep = write_file("prescope-offload-deep.yaml", "optimization: {copy: {chunk: 1MiB}}\n");

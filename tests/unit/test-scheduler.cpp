@@ -509,6 +509,32 @@ TEST(LoadBalancer, CorrectionsConvergeToTheMeasuredRatioAndAreCounted) {
     EXPECT_DOUBLE_EQ(lb.corrections().cpu, 4.0);  // bounded
 }
 
+TEST(LoadBalancer, TheLinkModeLearnsOnlyTheCopySpeed) {
+    // The default (decision 0146): the copy engine's achieved speed corrects the link; the CPU and GPU times, which
+    // mix batch sizes and waits (0087), leave their terms alone; off learns nothing but still sums the finish gap.
+    for (const LoadBalance mode : {LoadBalance::LINK, LoadBalance::OFF}) {
+        LoadBalancer lb;
+        LayerStats st;
+        for (int i = 0; i < 60; ++i) {
+            LayerMeasurement m;
+            m.cpu_predicted_us = 1000 * lb.corrections().cpu;
+            m.cpu_work_us = 2000;
+            m.gpu_predicted_us = 100 * lb.corrections().gpu;
+            m.gpu_work_us = 50;
+            m.link_predicted_us = 500 * lb.corrections().link;
+            m.link_work_us = 2000;  // the link runs at a quarter of the profile's speed
+            m.cpu_end_us = 2100;
+            m.gpu_end_us = 1900;
+            lb.observe(m, st, mode);
+        }
+        EXPECT_DOUBLE_EQ(lb.corrections().cpu, 1.0) << load_balance_name(mode);
+        EXPECT_DOUBLE_EQ(lb.corrections().gpu, 1.0) << load_balance_name(mode);
+        EXPECT_NEAR(lb.corrections().link, mode == LoadBalance::LINK ? 4.0 : 1.0, 0.01) << load_balance_name(mode);
+        EXPECT_EQ(st.corrections > 0, mode == LoadBalance::LINK);
+        EXPECT_DOUBLE_EQ(st.finish_gap_us, 60 * 200.0);
+    }
+}
+
 TEST(CostModel, TheCommittedReferenceProfileIsTheBuiltInOne) {
     // profiles/h200-reference.json is CostProfile::h200_reference() written out, for reading and for --cost-profile;
     // after changing the reference, rewrite it with the JSON this test prints.

@@ -62,13 +62,19 @@ TEST(Simulator, TheLoadBalancerFindsAMachineSlowerThanItsProfile) {
     c.decode_tokens = 300;
     c.truth.cpu = 1.6;
     c.truth.link = 1.3;
+    c.balance = LoadBalance::ON;
     const SimResult r = simulate(t, ExpertShape::named("mixtral-8x7b"), CostProfile::h200_reference(), c);
     EXPECT_NEAR(r.corrections.cpu, 1.6, 0.08);
     EXPECT_NEAR(r.corrections.link, 1.3, 0.07);
     EXPECT_GT(r.decode.totals.corrections, 0u);
-    c.balance = false;
+    c.balance = LoadBalance::LINK;  // the default: the link alone
+    const SimResult link = simulate(t, ExpertShape::named("mixtral-8x7b"), CostProfile::h200_reference(), c);
+    EXPECT_DOUBLE_EQ(link.corrections.cpu, 1.0);
+    EXPECT_NEAR(link.corrections.link, 1.3, 0.07);
+    c.balance = LoadBalance::OFF;
     const SimResult frozen = simulate(t, ExpertShape::named("mixtral-8x7b"), CostProfile::h200_reference(), c);
     EXPECT_DOUBLE_EQ(frozen.corrections.cpu, 1.0);
+    EXPECT_DOUBLE_EQ(frozen.corrections.link, 1.0);
 }
 
 TEST(Simulator, MoreBudgetNeverSlowsFetchingEverything) {

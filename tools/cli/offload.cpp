@@ -38,7 +38,8 @@ constexpr std::array kFlags = {
     FlagSpec{"--copy-depth", "copy_queue_depth", "copy engine chunks in flight"},
     FlagSpec{"--copy-bandwidth-cap", "copy_bandwidth_cap", "copy engine bandwidth cap per second, e.g. 20GB (0: none)"},
     FlagSpec{"--cost-profile", "cost_profile", "cost profile JSON written by `prescope calibrate`"},
-    FlagSpec{"--load-balance", "load_balance", "correct the cost model online from measured times: on or off"},
+    FlagSpec{"--load-balance", "load_balance", "which cost-model terms are corrected online from measured times: off, link (the copy speed) or on (and the CPU "
+             "and GPU times)"},
     FlagSpec{"--prefetch-in-flight", "prefetch_in_flight", "prefetch requests outstanding at most"},
     FlagSpec{"--numa", "numa",
              "expert store and CPU expert threads: gpu (the GPU's node), distribute, isolate or numactl (as llama.cpp)"},
