@@ -337,15 +337,15 @@ CopyStats CopyEngine::stats() const {
     std::lock_guard lock(mutex_);
     CopyStats s = queue_.stats();
     s.busy_us = stats_extra_.busy_us;
+    // A busy period still open counts up to now (host time): on a saturated link one period can last for many
+    // layers, and the busy share and achieved speed read between them would see nothing, then all of it at once.
+    if (queue_.in_flight() > 0) s.busy_us += std::max(double(now_ns() - busy_start_host_ns_) * 1e-3, 0.0);
     return s;
 }
 
 void CopyEngine::issue(const CopyChunk &chunk, bool opens_busy_period) {
     if (chunk.after) backend_.stream_wait_event(stream_, chunk.after);
-    if (opens_busy_period) {
-        busy_start_host_ns_ = now_ns();
-        backend_.event_record(busy_start_, stream_);
-    }
+    if (opens_busy_period) backend_.event_record(busy_start_, stream_);
     backend_.copy_h2d_async(chunk.dst, chunk.src, chunk.n_bytes, stream_);
     // The ticket's event goes before the chunk's, so a completed chunk event implies a completed ticket.
     if (chunk.last) backend_.event_record(request_events_[chunk.request], stream_);
@@ -378,6 +378,7 @@ void CopyEngine::run() {
             int64_t retry_at = -1;
             if (!stop_ && queue_.next_chunk(now_ns(), &chunk, &retry_at)) {
                 bool opens_busy = queue_.in_flight() == 1;
+                if (opens_busy) busy_start_host_ns_ = now_ns();  // under the lock: stats() reads it
                 // Issue outside the lock: submitters and waiters need not wait for the driver call.
                 // Only this thread touches in-flight chunks and their events, so nothing can recycle them.
                 lock.unlock();

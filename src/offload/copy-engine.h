@@ -71,7 +71,8 @@ struct CopyStats {
     uint64_t bytes_demand = 0;    // of bytes_done, issued at demand priority
     uint64_t bytes_prefetch = 0;  // of bytes_done, issued at prefetch priority
     double busy_us = 0;           // device time with at least one chunk in flight (event-timed when the
-                                  // backend can time events, host-timed otherwise)
+                                  // backend can time events, host-timed otherwise; a period still open
+                                  // counts up to now, host-timed)
     /// bytes_done / busy time, in GB/s (1e9 bytes/s); 0 before anything completed.
     double achieved_gb_s() const { return busy_us > 0 ? double(bytes_done) / busy_us * 1e-3 : 0.0; }
 };
@@ -221,7 +222,7 @@ class CopyEngine {
     std::vector<Event> request_events_;  // [max_requests] recorded after a request's last chunk
     std::vector<Event> chunk_events_;    // [queue_depth] recorded after each chunk in flight
     Event busy_start_ = nullptr;         // recorded before the chunk that opens a busy period
-    int64_t busy_start_host_ns_ = 0;
+    int64_t busy_start_host_ns_ = 0;     // host time the busy period opened (guarded by mutex_)
 
     mutable std::mutex mutex_;
     std::condition_variable wake_;      // copy thread: new work, promotion, stop

@@ -287,6 +287,10 @@ double CostModel::h2d_us(uint64_t bytes) const {
     return (profile_.h2d_request_us + double(bytes) / (gb_s * 1e3)) * corrections.link;
 }
 
+double CostModel::link_us(uint64_t bytes, uint64_t requests) const {
+    return double(requests) * profile_.h2d_request_us * corrections.link + double(bytes) / (link_gb_s() * 1e3);
+}
+
 double CostModel::gpu_us(int64_t tokens) const {
     double us;
     if (measured_ >= 0 && !profile_.shapes[size_t(measured_)].gpu_us.empty()) {

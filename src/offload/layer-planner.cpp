@@ -94,6 +94,10 @@ bool LayerPlanner::begin(int32_t layer, std::span<const int32_t> routed, int32_t
     s.link_free_us = s.issue_slack_us = s.prefetch_backlog_us = 0;
     s.host_us = host_us_;
     s.moe_estimate_us = balancer_.layer_estimate_us();
+    // Link time's price: the busy share squared, gentle while the link has room and 1 when it is saturated (queueing
+    // delay grows faster than the load). In the simulator it beat the share itself at every budget (decision 0147).
+    const double busy = balancer_.link_busy_share();
+    s.link_price = busy * busy;
     s.prefetch_room = config_.max_prefetch_in_flight;
     const int32_t window = cache_ ? std::min(config_.prefetch_window, placement_.n_layers - 1 - layer) : 0;
     s.next_free.assign(size_t(std::max(window, 0)), 0);

@@ -33,7 +33,13 @@ void LoadBalancer::observe(const LayerMeasurement &m, LayerStats &stats, LoadBal
         changed += update(corrections_.cpu, m.cpu_work_us, m.cpu_predicted_us);
         changed += update(corrections_.gpu, m.gpu_work_us, m.gpu_predicted_us);
     }
-    if (mode != LoadBalance::OFF) changed += update(corrections_.link, m.link_work_us, m.link_predicted_us);
+    if (mode != LoadBalance::OFF) {
+        changed += update(corrections_.link, m.link_work_us, m.link_predicted_us);
+        if (m.link_wall_us > 0 && m.link_work_us >= 0) {
+            const double share = std::min(m.link_work_us / m.link_wall_us, 1.0);
+            link_busy_share_ += config_.rate * (share - link_busy_share_);
+        }
+    }
     stats.corrections += uint64_t(changed);
     if (m.cpu_end_us >= 0 && m.gpu_end_us >= 0) {
         stats.finish_gap_us += m.cpu_end_us - m.gpu_end_us;

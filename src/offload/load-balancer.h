@@ -37,6 +37,7 @@ struct LayerMeasurement {
     double cpu_work_us = -1, cpu_predicted_us = -1;    // the CPU experts' host time and its prediction
     double gpu_work_us = -1, gpu_predicted_us = -1;    // the GPU experts' device time and its prediction
     double link_work_us = -1, link_predicted_us = -1;  // copy time of bytes moved and its prediction
+    double link_wall_us = -1;                          // the time link_work_us was measured over (busy share)
     double cpu_end_us = -1, gpu_end_us = -1;           // when each side finished (the finish gap)
     double layer_us = -1;                              // the layer's expert part, measured or predicted
 };
@@ -50,6 +51,10 @@ class LoadBalancer {
     const CostCorrections &corrections() const { return corrections_; }
     /// Recent expert-part time of a layer (moving average of layer_us), 0 before the first.
     double layer_estimate_us() const { return layer_estimate_us_; }
+    /// Recent share of the time the link was busy, in [0, 1] (moving average of link_work_us / link_wall_us; 0
+    /// before the first and under LoadBalance::OFF): the scheduler prices link time by it (LayerState::link_price,
+    /// decision 0147).
+    double link_busy_share() const { return link_busy_share_; }
 
   private:
     bool update(double &factor, double work_us, double predicted_us);
@@ -57,6 +62,7 @@ class LoadBalancer {
     LoadBalancerConfig config_;
     CostCorrections corrections_;
     double layer_estimate_us_ = 0;
+    double link_busy_share_ = 0;
 };
 
 } // namespace prescope

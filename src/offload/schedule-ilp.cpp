@@ -29,8 +29,8 @@ class Milp {
         ++binaries_;
         return c;
     }
-    int fixed_binary(double value) {
-        const int c = binary();
+    int fixed_binary(double value, double objective = 0) {
+        const int c = binary(objective);
         glp_set_col_bnds(lp_, c, GLP_FX, value, value);
         return c;
     }
@@ -125,7 +125,9 @@ IlpResult solve_layer_ilp(const LayerState &s, const IlpOptions &o) {
         const SchedExpert &xe = s.routed[size_t(misses[size_t(i)])];
         const bool gpu_only = xe.site == ExecSite::GPU;
         forced += gpu_only;
-        x[size_t(i)] = gpu_only ? p.fixed_binary(1) : p.binary();
+        // Running it on the GPU copies it: its link time at the link's price (evaluate_plan's link_cost_us).
+        const double link_cost = s.link_price * xe.fetch_us;
+        x[size_t(i)] = gpu_only ? p.fixed_binary(1, link_cost) : p.binary(link_cost);
         for (int32_t w = 0; w <= n_waves; ++w) uw(i, w) = stream ? p.binary() : x[size_t(i)];
     }
     if (stream) {
@@ -311,7 +313,7 @@ IlpResult solve_layer_ilp(const LayerState &s, const IlpOptions &o) {
             const SchedExpert &xe = s.routed[size_t(misses[size_t(i)])];
             slots.add(uw(i, 0), 1);
             if (xe.site == ExecSite::GPU || xe.install_us <= 0) continue;
-            w_install[size_t(i)] = p.binary(-xe.install_us);
+            w_install[size_t(i)] = p.binary(s.link_price * xe.fetch_us - xe.install_us);
             p.at_most(Row().add(w_install[size_t(i)], 1).add(x[size_t(i)], 1), 1);
             p.at_most(Row().add(w_install[size_t(i)], 1).add(st, 1), 1);
             slots.add(w_install[size_t(i)], 1);
@@ -336,7 +338,7 @@ IlpResult solve_layer_ilp(const LayerState &s, const IlpOptions &o) {
         const double arrive_const = l_prev < 0 ? s.link_free_us : 0.0;
         for (size_t k = 0; k < order.size(); ++k) {
             const SchedCandidate &c = s.candidates[size_t(order[k])];
-            y[k] = p.binary(-c.install_us);
+            y[k] = p.binary(s.link_price * c.fetch_us - c.install_us);
             const int z = p.binary(-c.prob * c.miss_us);
             p.at_most(Row().add(z, 1).add(y[k], -1), 0);
             total.add(y[k], 1);

@@ -54,7 +54,7 @@ PlanTimes evaluate_plan(const LayerState &s, const LayerDecision &d, bool split,
                         const std::vector<PlannedPrefetch> &prefetch) {
     PRESCOPE_ASSERT(d.experts.size() == s.routed.size());
     const HitWave h = hit_wave(s, &d);
-    double fetch_link = 0, fetch_gpu = 0, cpu = 0;
+    double fetch_link = 0, fetch_gpu = 0, cpu = 0, copies_us = 0;  // copies_us: link time of every copy issued
     bool any_fetch = false, any_cpu = false, any_stream = false;
     for (size_t i = 0; i < s.routed.size(); ++i) {
         const SchedExpert &x = s.routed[i];
@@ -62,13 +62,17 @@ PlanTimes evaluate_plan(const LayerState &s, const LayerDecision &d, bool split,
         case ExpertAction::FETCH:
             any_fetch = true;
             fetch_link += x.fetch_us;
+            copies_us += x.fetch_us;
             fetch_gpu += x.gpu_us;
             break;
         case ExpertAction::CPU:
             any_cpu = true;
             cpu += x.cpu_us;
             break;
-        case ExpertAction::STREAM: any_stream = true; break;
+        case ExpertAction::STREAM:
+            any_stream = true;
+            copies_us += x.fetch_us;
+            break;
         case ExpertAction::HIT: break;
         }
     }
@@ -132,18 +136,21 @@ PlanTimes evaluate_plan(const LayerState &s, const LayerDecision &d, bool split,
         if (p.routed >= 0) {
             PRESCOPE_ASSERT(size_t(p.routed) < s.routed.size() && d.experts[size_t(p.routed)].action == ExpertAction::CPU);
             link += s.routed[size_t(p.routed)].fetch_us;
+            copies_us += s.routed[size_t(p.routed)].fetch_us;
             if (!any_stream) t.residency_us += s.routed[size_t(p.routed)].install_us;
             continue;
         }
         PRESCOPE_ASSERT(p.candidate >= 0 && size_t(p.candidate) < s.candidates.size());
         const SchedCandidate &c = s.candidates[size_t(p.candidate)];
         link += c.fetch_us;
+        copies_us += c.fetch_us;
         const double deadline = hits_end + double(c.distance) * s.next_layer_us +
                                 double(std::max(c.distance - 1, 0)) * s.moe_estimate_us;
         if (link <= deadline) stall -= c.prob * c.miss_us;
         t.residency_us += c.install_us;
     }
     t.next_stall_us = std::max(stall, 0.0);
+    t.link_cost_us = s.link_price * copies_us;
     return t;
 }
 
@@ -285,12 +292,13 @@ void Scheduler::add_prefetches(const LayerState &s, LayerPlan &p, double link_en
         if (d >= per_layer_left.size() || per_layer_left[d] <= 0) continue;
         const double deadline = prefetch_deadline_us(s, c.distance);
         const bool in_time = link + c.fetch_us <= deadline;
-        // Too late for this step and nothing to gain later: it would only take link time.
-        if (!in_time && c.install_us <= 0) continue;
+        // Worth its link time: in time, the stall it saves, and what its residency saves later.
+        const double gain = (in_time ? c.prob * c.miss_us : 0.0) + c.install_us - s.link_price * c.fetch_us;
+        if (gain <= 0) continue;
         link += c.fetch_us;
         --per_layer_left[d];
         p.prefetch.push_back({c.layer, c.expert, c.prob, link, deadline, -1, ci, -1});
-        gains_.push_back((in_time ? c.prob * c.miss_us : 0.0) + c.install_us);
+        gains_.push_back(gain);
     }
     add_installs(s, p);
     while (int32_t(p.prefetch.size()) > room) {
@@ -309,7 +317,7 @@ void Scheduler::add_installs(const LayerState &s, LayerPlan &p) {
     for (size_t i = 0; i < s.routed.size(); ++i) {
         const SchedExpert &x = s.routed[i];
         if (p.decision.experts[i].action == ExpertAction::CPU && x.where == SchedResidency::MISSING &&
-            x.site == ExecSite::AUTO && x.install_us > 0) {
+            x.site == ExecSite::AUTO && x.install_us > s.link_price * x.fetch_us) {
             installs_.push_back(int32_t(i));
         }
     }
@@ -320,7 +328,7 @@ void Scheduler::add_installs(const LayerState &s, LayerPlan &p) {
     for (int32_t i : installs_) {
         if (slots <= 0) break;
         p.prefetch.push_back({s.layer, s.routed[size_t(i)].expert, 1.0, 0, 0, -1, -1, i});
-        gains_.push_back(s.routed[size_t(i)].install_us);
+        gains_.push_back(s.routed[size_t(i)].install_us - s.link_price * s.routed[size_t(i)].fetch_us);
         --slots;
     }
 }
@@ -513,6 +521,7 @@ nlohmann::json LayerState::to_json() const {
             {"next_layer_us", next_layer_us},
             {"moe_estimate_us", moe_estimate_us},
             {"prefetch_room", prefetch_room},
+            {"link_price", link_price},
             {"next_free", next_free},
             {"routed", std::move(r)},
             {"candidates", std::move(c)}};
@@ -535,6 +544,9 @@ LayerState LayerState::from_json(const nlohmann::json &j, const std::string &src
         if (*field < 0) fail("{}: layer state: '{}' must be >= 0", src, key);
     }
     s.prefetch_room = count(j, "prefetch_room", src);
+    // Dumps made before decision 0147 have no link price: the link was free then.
+    s.link_price = j.contains("link_price") ? num(j, "link_price", src) : 0.0;
+    if (!(s.link_price >= 0 && s.link_price <= 1)) fail("{}: layer state: 'link_price' must be in [0, 1]", src);
     if (!j.contains("next_free") || !j["next_free"].is_array()) fail("{}: layer state: 'next_free' must be an array", src);
     for (const nlohmann::json &v : j["next_free"]) {
         if (!v.is_number_integer() || v.get<int64_t>() < 0) fail("{}: layer state: 'next_free' must hold counts", src);

@@ -67,6 +67,8 @@ struct LayerState {
     double next_layer_us = 0;       // from one layer's experts to the next layer's (attention, router)
     double moe_estimate_us = 0;     // a layer's expert part, as measured recently (deadlines beyond l+1)
     int32_t prefetch_room = 0;      // new prefetch requests allowed (copies in flight cap)
+    double link_price = 0;          // critical-path us one us of link time costs, in [0, 1]: the square of the
+                                    // link's recent busy share (0 = idle: copies delay nothing; 1 = saturated)
     std::vector<int32_t> next_free; // [window] slots of layer l+d a prefetch may take (evictable, not wanted)
     std::vector<SchedExpert> routed;        // ascending expert id
     std::vector<SchedCandidate> candidates; // any order
@@ -97,7 +99,9 @@ struct PlanTimes {
     double critical_us = 0;    // max(gpu_end, cpu_end): the layer's critical path
     double next_stall_us = 0;  // expected stall of layers l+1..l+w (sum over candidates of prob x miss)
     double residency_us = 0;   // what the experts this plan leaves resident save later steps (install_us)
-    double objective() const { return critical_us + next_stall_us - residency_us; }
+    double link_cost_us = 0;   // link_price x the link time of the plan's copies (GPU-run misses, prefetches,
+                               // installs): what they take from the other copies of the token (decision 0147)
+    double objective() const { return critical_us + next_stall_us - residency_us + link_cost_us; }
 };
 
 /// What the executor does for one layer: the routed experts' actions (as the loader reads them), the split
@@ -126,6 +130,8 @@ struct LayerPlan {
 ///  - CPU chain: from host_us (or from when the host stops blocking), cpu_layer_us + the CPU experts.
 ///  - prefetches: in plan order after the last demand copy and the backlog; a candidate not in the plan
 ///    (or one arriving after its deadline) counts prob x miss_us as expected stall.
+///  - link cost: link_price x the fetch_us of every copy the plan issues (its GPU-run misses, prefetches and
+///    installs; ARRIVING copies are already paid).
 ///  - residency: the last wave_slots of the layer's loads in ascending id (FETCH then STREAM: all of them when
 ///    nothing streams; each load evicts the least recent), every planned prefetch, and every install (a CPU-run expert copied
 ///    at prefetch priority after the candidates, in a layer that does not stream) stay resident for later
@@ -152,7 +158,7 @@ struct SchedulerConfig {
 /// The online heuristic. For m = 0, 1, ... it sends the m missed experts with the most CPU time to the GPU
 /// (FETCH while free slots last, then STREAM in large batches) and the rest to the CPU, adds prefetches
 /// greedily in priority order (each one whose gain is positive: prob x miss_us if it lands before its deadline,
-/// plus install_us), evaluates each with evaluate_plan and keeps the best objective; a last pass tries moving
+/// plus install_us, less link_price x fetch_us), evaluates each with evaluate_plan and keeps the best objective; a last pass tries moving
 /// single experts between the CPU and the GPU, and exchanges in small layers. O(n^2) evaluations for n missed
 /// experts. Allocates nothing after reserve().
 class Scheduler {

@@ -77,6 +77,8 @@ class SimLink {
                 if (!c.started) {
                     c.started = true;
                     clock_ += request_us_;  // the request's fixed cost
+                    busy_us_ += request_us_;
+                    ++requests_;
                     continue;
                 }
                 committed_ = std::min(c.left, window_);
@@ -85,6 +87,7 @@ class SimLink {
             const double dt = std::min(need, t - clock_);
             const auto moved = uint64_t(std::min(double(committed_), std::ceil(dt * bytes_per_us_)));
             clock_ += dt;
+            busy_us_ += dt;
             committed_ -= moved;
             Copy &c = current_->front();
             c.left -= moved;
@@ -132,6 +135,9 @@ class SimLink {
         s.issue_slack_us = double(window_) / bytes_per_us;
     }
     uint64_t bytes_moved() const { return bytes_moved_; }
+    /// Time the link spent on requests and bytes up to its clock (CopyStats::busy_us's counterpart).
+    double busy_us() const { return busy_us_; }
+    uint64_t requests() const { return requests_; }
 
   private:
     size_t key(int32_t layer, int32_t expert) const { return size_t(layer) * size_t(n_experts_) + size_t(expert); }
@@ -150,6 +156,8 @@ class SimLink {
     uint64_t committed_ = 0;               // bytes of the head handed to the "driver", not yet moved
     double clock_ = 0;
     uint64_t bytes_moved_ = 0;
+    double busy_us_ = 0;
+    uint64_t requests_ = 0;  // requests started
     std::vector<int32_t> pending_;         // [n_layers * n_experts] copies not complete
 };
 
@@ -245,6 +253,8 @@ SimResult simulate(const RoutingTrace &trace, const ExpertShape &shape, const Co
     LayerDecision wave;
     wave.reserve(E);
     double now = 0;
+    double seen_busy_us = 0, seen_at_us = 0;  // the link's busy time at the last measurement, and when
+    uint64_t seen_bytes = 0, seen_requests = 0;
     int64_t cursor = cfg.first_token;
 
     auto run_batch = [&](int64_t n, SimPhase &phase) {
@@ -369,11 +379,17 @@ SimResult simulate(const RoutingTrace &trace, const ExpertShape &shape, const Co
                 m.gpu_work_us = gpu_true + actual.wave_us;
                 m.gpu_predicted_us = gpu_pred + planner.state().wave_us;
             }
-            if (d.n_fetch + d.n_stream > 0) {
-                const double bytes = double(d.n_fetch + d.n_stream) * double(shape.bytes);
-                m.link_work_us = bytes / truth_bpus;
-                m.link_predicted_us = bytes / (planner.cost().link_gb_s() * 1e3);
+            // The link as the runtime sees it (HybridMoe::collect_timings): busy time and bytes of every copy since
+            // the last step, over the time passed.
+            m.link_work_us = link.busy_us() - seen_busy_us;
+            m.link_wall_us = t_route - seen_at_us;
+            if (link.bytes_moved() > seen_bytes) {
+                m.link_predicted_us = planner.cost().link_us(link.bytes_moved() - seen_bytes, link.requests() - seen_requests);
             }
+            seen_busy_us = link.busy_us();
+            seen_bytes = link.bytes_moved();
+            seen_requests = link.requests();
+            seen_at_us = t_route;
             m.layer_us = plan.predicted.critical_us;
             planner.observe(m, st);
             now = t_route + times.critical_us;

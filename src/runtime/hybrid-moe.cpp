@@ -116,7 +116,10 @@ HybridMoe::HybridMoe(const Model &model, const ExpertStore &store, const Placeme
         pending_cpu_end_us_.assign(size_t(hp.n_layer), -1);
         pending_gpu_predicted_us_.assign(size_t(hp.n_layer), -1);
     }
-    if (engine_) copy_seen_ = engine_->stats();
+    if (engine_) {
+        copy_seen_ = engine_->stats();
+        copy_seen_at_us_ = now_us();
+    }
     if (cache_) {
         table_slot_.assign(size_t(hp.n_layer) * E, -1);
         done_ticket_.assign(size_t(cache_->n_slots()), Ticket{});
@@ -430,16 +433,22 @@ void HybridMoe::collect_timings() {
         planner_->observe(m, st);
     }
     if (engine_) {
-        // The copy engine's achieved speed since the last look against the model's.
+        // The copy engine's achieved speed since the last look against the model's, and its busy share.
         const CopyStats now = engine_->stats();
+        const double at = now_us(), wall = at - copy_seen_at_us_;
         const double bytes = double(now.bytes_done - copy_seen_.bytes_done), busy = now.busy_us - copy_seen_.busy_us;
-        if (bytes > 0 && busy > 0) {
+        if (wall >= kLinkWindowUs) {
             LayerMeasurement m;
-            m.link_work_us = busy;
-            m.link_predicted_us = bytes / (planner_->cost().link_gb_s() * 1e3);
+            m.link_work_us = std::max(busy, 0.0);
+            m.link_wall_us = wall;
+            if (bytes > 0) {
+                m.link_predicted_us = planner_->cost().link_us(now.bytes_done - copy_seen_.bytes_done,
+                                                               now.requests_done - copy_seen_.requests_done);
+            }
             planner_->observe(m, cache_->layer_stats(cache_->n_layers() - 1));
+            copy_seen_ = now;
+            copy_seen_at_us_ = at;
         }
-        copy_seen_ = now;
     }
 }
 

@@ -273,7 +273,7 @@ struct Options {
     EvictionPolicyKind policy = EvictionPolicyKind::LRU;
     int32_t stream_min_batch = 32;  // never reached by kBatch unless lowered
     const CostProfile *profile = nullptr;  // null: the H200 reference
-    bool balance = true;
+    LoadBalance balance = LoadBalance::ON;
     int64_t device_hits_tokens = 0;  // the fake device's device_hits_max_tokens()
     Predictor *predictor = nullptr;  // instead of the frequency predictor (prefetch_window > 0)
     bool all_fixed = false;  // every expert's home is a fixed GPU slot, loaded before the first step
@@ -314,7 +314,7 @@ struct Rig {
         hc.planner.cpu_threshold = o.cpu_threshold;
         hc.planner.stream_min_batch = o.stream_min_batch;
         hc.planner.prefetch_window = o.prefetch_window;
-        hc.planner.balance = o.balance ? LoadBalance::ON : LoadBalance::OFF;
+        hc.planner.balance = o.balance;
         const ExpertShape shape = ExpertShape::of(store.layout(int32_t(hp.n_layer_dense)));
         const CostModel cost(o.profile ? *o.profile : CostProfile::h200_reference(), shape, 1, ec.chunk_bytes);
         // Models with a shared expert run it on the device, as GpuContext does.
@@ -568,7 +568,7 @@ TEST(HybridMoe, CostSchedulerSplitsAndStreamsAndStillEqualsTheCpuExecutor) {
         o.threaded = true;
         o.stream_min_batch = 3;
         o.profile = &p;
-        o.balance = false;
+        o.balance = LoadBalance::OFF;
         Rig rig(*model, o, kBatch);
         expect_bitwise_equal(run_tokens(*model, rig.executor.get(), 6), run_tokens(*model, nullptr, 6));
         const LayerStats t = rig.cache->total_stats();
@@ -622,7 +622,7 @@ TEST(HybridMoe, TheLayerStepsComeInTheOneOrderWithTheDeviceCallsWhereTheyBelong)
     o.prefetch_window = 1;
     o.stream_min_batch = 3;
     o.profile = &p;
-    o.balance = false;
+    o.balance = LoadBalance::OFF;
     Rig rig(*model, o, kBatch);
     const int n_embd = int(model->hp().n_embd);
     using V = std::vector<std::string>;
@@ -702,6 +702,29 @@ TEST(HybridMoe, EveryRoutedExpertIsCountedOnceAsHitMissOrCpu) {
     EXPECT_GT(s.cpu_runs, 0u);       // prefill batches route more experts than a layer's slots hold
     EXPECT_GT(s.demand_misses, 0u);  // the cold cache
     EXPECT_GT(s.hits, 0u);           // experts reused from one step to the next
+}
+
+TEST(HybridMoe, TheCopyEnginesBusyShareReachesThePlannerUnlessTheBalancerIsOff) {
+    // Decision 0147: the planner prices link time by the copy engine's busy share, which the executor measures
+    // between layers; under load_balance off it stays 0 (the old plans, for comparisons).
+    const auto model = Model::load(model_path("qwen3moe", "tiny-f32.gguf").string());
+    for (const LoadBalance mode : {LoadBalance::LINK, LoadBalance::OFF}) {
+        SCOPED_TRACE(load_balance_name(mode));
+        Options o{int32_t(model->hp().n_expert_used), 2, 0};
+        o.cpu_threshold = -1;
+        o.balance = mode;
+        o.threaded = true;  // a copy thread: the link is busy while the host goes on
+        Rig rig(*model, o, kBatch);
+        run_tokens(*model, rig.executor.get(), 8);
+        ASSERT_GT(rig.cache->total_stats().bytes_loaded, 0u);
+        const double share = rig.moe->planner()->balancer().link_busy_share();
+        if (mode == LoadBalance::OFF) {
+            EXPECT_EQ(share, 0.0);
+        } else {
+            EXPECT_GT(share, 0.0);
+            EXPECT_LE(share, 1.0);
+        }
+    }
 }
 
 TEST(HybridMoe, StepPairsCoverEveryTokenSlotOnceGpuPairsFirst) {

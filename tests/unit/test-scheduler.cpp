@@ -2,6 +2,7 @@
 // small enough to work out by hand, the heuristic and the GLPK form against each other and against brute force,
 // the threshold rule against decide_layer, the cost model against the fake backend's link clock, the load
 // balancer's corrections.
+#include "../common/error-of.h"
 #include "core/error.h"
 #include "offload/copy-engine.h"
 #include "offload/cost-model.h"
@@ -186,6 +187,7 @@ LayerState random_state(std::mt19937 &rng, bool stream) {
         if (u(rng) < 0.5) c.install_us = 300 * u(rng);
         s.candidates.push_back(c);
     }
+    s.link_price = u(rng) < 0.5 ? 0.0 : u(rng);
     return s;
 }
 
@@ -229,6 +231,15 @@ TEST(SchedulerModel, SmallExpertsGoToWhicheverSideIsCheaper) {
     // Split: 22 + 3 m after max(104 m, 100 (8 - m)); m = 4 gives max(416, 400) + 34 = 450, the best.
     EXPECT_EQ(p.decision.n_fetch, 4);
     EXPECT_DOUBLE_EQ(p.predicted.critical_us, 416 + 22 + 12);
+    // Link time at a price (decision 0147): cheap, the split stays (m = 4: 450 + 0.1 x 416 against m = 3: 531 +
+    // 31.2); at a saturated link's price a copy costs its whole time and the CPU's 800 beats m = 1's 725 + 104.
+    s.link_price = 0.1;
+    EXPECT_EQ(plan_of(s).decision.n_fetch, 4);
+    EXPECT_NEAR(plan_of(s).predicted.link_cost_us, 41.6, 1e-9);
+    s.link_price = 1;
+    EXPECT_EQ(plan_of(s).decision.n_fetch, 0);
+    EXPECT_DOUBLE_EQ(plan_of(s).predicted.objective(), 800);
+    s.link_price = 0;
     // A CPU twice as slow sends more over the link.
     for (SchedExpert &x : s.routed) x.cpu_us = 200;
     EXPECT_EQ(plan_of(s).decision.n_fetch, 5);  // max(520, 600) vs max(624, 400): 5 -> 600 + 37, 6 -> 624 + 40
@@ -301,8 +312,14 @@ TEST(SchedulerModel, APrefetchIsPlannedOnlyIfItLandsBeforeItIsNeeded) {
     p = plan_of(s);
     EXPECT_TRUE(p.prefetch.empty());
     EXPECT_DOUBLE_EQ(p.predicted.next_stall_us, 100);
-    // No slot to take in layer 1: nothing planned either.
+    // Its link time at a price: worth it while prob x miss (100) exceeds price x fetch (100 x price).
     s.link_free_us = 0;
+    s.link_price = 0.5;
+    EXPECT_EQ(plan_of(s).prefetch.size(), 1u);
+    s.link_price = 1;
+    EXPECT_TRUE(plan_of(s).prefetch.empty());
+    s.link_price = 0;
+    // No slot to take in layer 1: nothing planned either.
     s.next_free = {0};
     EXPECT_TRUE(plan_of(s).prefetch.empty());
 }
@@ -361,9 +378,17 @@ TEST(ScheduleIlp, HeuristicIsOptimalOnDecodeLayersWithoutPrefetchChoices) {
 
 TEST(ScheduleIlp, LayerStatesRoundTripThroughJson) {
     std::mt19937 rng(5);
-    const LayerState s = random_state(rng, true);
+    LayerState s = random_state(rng, true);
+    s.link_price = 0.375;
     const LayerState back = LayerState::from_json(nlohmann::json::parse(s.to_json().dump()), "test");
     EXPECT_EQ(back.to_json(), s.to_json());
+    // A dump from before the link price reads as a free link; a price outside [0, 1] is refused.
+    nlohmann::json old = s.to_json();
+    old.erase("link_price");
+    EXPECT_EQ(LayerState::from_json(old, "old.jsonl:1").link_price, 0.0);
+    old["link_price"] = 1.5;
+    EXPECT_NE(test::error_of([&] { LayerState::from_json(old, "old.jsonl:2"); }).find("old.jsonl:2: layer state: 'link_price'"),
+              std::string::npos);
     nlohmann::json bad = s.to_json();
     bad["routed"][0]["where"] = "somewhere";
     try {
@@ -523,6 +548,7 @@ TEST(LoadBalancer, TheLinkModeLearnsOnlyTheCopySpeed) {
             m.gpu_work_us = 50;
             m.link_predicted_us = 500 * lb.corrections().link;
             m.link_work_us = 2000;  // the link runs at a quarter of the profile's speed
+            m.link_wall_us = 5000;  // and is busy 40% of the time
             m.cpu_end_us = 2100;
             m.gpu_end_us = 1900;
             lb.observe(m, st, mode);
@@ -530,9 +556,23 @@ TEST(LoadBalancer, TheLinkModeLearnsOnlyTheCopySpeed) {
         EXPECT_DOUBLE_EQ(lb.corrections().cpu, 1.0) << load_balance_name(mode);
         EXPECT_DOUBLE_EQ(lb.corrections().gpu, 1.0) << load_balance_name(mode);
         EXPECT_NEAR(lb.corrections().link, mode == LoadBalance::LINK ? 4.0 : 1.0, 0.01) << load_balance_name(mode);
+        EXPECT_NEAR(lb.link_busy_share(), mode == LoadBalance::LINK ? 0.4 : 0.0, 1e-6) << load_balance_name(mode);
         EXPECT_EQ(st.corrections > 0, mode == LoadBalance::LINK);
         EXPECT_DOUBLE_EQ(st.finish_gap_us, 60 * 200.0);
     }
+    // An idle link (no bytes, nothing to correct) brings the busy share back down.
+    LoadBalancer lb;
+    LayerStats st;
+    LayerMeasurement busy;
+    busy.link_work_us = busy.link_wall_us = 1000;
+    for (int i = 0; i < 40; ++i) lb.observe(busy, st, LoadBalance::LINK);
+    EXPECT_NEAR(lb.link_busy_share(), 1.0, 1e-4);
+    LayerMeasurement idle;
+    idle.link_work_us = 0;
+    idle.link_wall_us = 1000;
+    for (int i = 0; i < 40; ++i) lb.observe(idle, st, LoadBalance::LINK);
+    EXPECT_NEAR(lb.link_busy_share(), 0.0, 1e-4);
+    EXPECT_DOUBLE_EQ(lb.corrections().link, 1.0);
 }
 
 TEST(CostModel, TheCommittedReferenceProfileIsTheBuiltInOne) {
