@@ -5,7 +5,7 @@
 #   bench/sched/run_sim.sh [TRACE ...]      (default: the balanced traces/topo-b-test.pstrace, topo-mixtral-test.pstrace)
 # A 128-expert trace runs on the Qwen3-30B-A3B expert shape, an 8-expert one on the Mixtral-8x7B shape; without an
 # 8-expert trace among the arguments, the first kind is also folded to 32 layers, 8 experts, top-2
-# (tools/data/fold_trace.py). The main runs have the load balancer off, as the runtime's default (decision 0087);
+# (tools/data/fold_trace.py). The main runs have the load balancer off (--load-balance off: the profile as it is, the link free);
 # the balancer runs turn it on.
 # Environment: OUT (default bench/results), PRESCOPE (default build/bin/prescope), PROFILE (a cost profile),
 # ROUTING (label of the traces' routing, default "balanced"), CHECK_EVERY (schedule-check takes every n-th state).

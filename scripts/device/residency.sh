@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Issue 14 in one device call: the GPU suite (gpu_tests.sh --no-perf, offload_tests.sh), the Qwen3-30B-A3B-shaped
 # benchmark at BUDGETS against llama.cpp (bench_offload.sh: 32 GiB holds every expert, matched with -ngl 99
-# -ncmoe 0), then an A/B of FLAG (default --device-steps) on and off at 32 GiB, alternating, ROUNDS rounds of
-# `prescope bench -p 16 -n 128 -r 1` with the balanced trace replayed. $OUT gets summary.txt, ab.txt and one
-# tarball per part (the device returns at most 8 files).
+# -ncmoe 0), then an A/B of FLAG (default --device-steps) at the values AB_VALUES (default "on off") and the budget
+# AB_BUDGET GiB (default 32), alternating, ROUNDS rounds of `prescope bench -p 16 -n 128 -r 1` with the balanced
+# trace replayed. $OUT gets summary.txt, ab.txt and one tarball per part (the device returns at most 8 files).
 #
-#   OUT=dir [BUDGETS="32 12"] [FLAG=--device-steps] [ROUNDS=2] [TESTS=1] [BENCH=1] WHL_DIR=.carry/whl-gguf \
-#       bash scripts/device/residency.sh
+#   OUT=dir [BUDGETS="32 12"] [FLAG=--device-steps] [AB_VALUES="on off"] [AB_BUDGET=32] [ROUNDS=2] [TESTS=1] \
+#       [BENCH=1] WHL_DIR=.carry/whl-gguf bash scripts/device/residency.sh
+#
+# Decisions 0146 and 0147 after the sweep: FLAG=--link-price AB_VALUES="on off" AB_BUDGET=4 (and 12), then
+# FLAG=--load-balance AB_VALUES="link off".
 #
 # TESTS=0 or BENCH=0 leave out a part (the model is written either way; a warm machine keeps it and the build for
 # the next call). Carry .carry/debs, WHL_DIR and, for the benchmark, .carry/peer-bin (common.sh's setup_peer);
@@ -16,6 +19,8 @@ cd "$(dirname "$0")/../.."
 OUT=${OUT:?OUT=dir}
 BUDGETS=${BUDGETS:-32 12}
 FLAG=${FLAG:---device-steps}
+AB_VALUES=${AB_VALUES:-on off}
+AB_BUDGET=${AB_BUDGET:-32}
 ROUNDS=${ROUNDS:-2}
 TRACE=traces/topo-b-test.pstrace
 MODEL=/tmp/prescope-qwen3-30b-a3b-q8_0.gguf
@@ -53,9 +58,9 @@ parts+=(offload)
 mkdir -p "$OUT/ab"
 THREADS=$(nproc)
 for r in $(seq "$ROUNDS"); do
-    for v in on off; do
+    for v in $AB_VALUES; do
         run_bin timeout 120 build-gpu/bin/prescope bench -m "$MODEL" -t "$THREADS" -p 16 -n 128 -r 1 -o json \
-            --gpu-expert-budget 32GiB --routing-trace "$TRACE" --predictor recency "$FLAG" "$v" \
+            --gpu-expert-budget "${AB_BUDGET}GiB" --routing-trace "$TRACE" --predictor recency "$FLAG" "$v" \
             > "$OUT/ab/$r-$v.jsonl" 2> "$OUT/ab/$r-$v.log"
         echo "round $r $FLAG $v: exit $?; $(python3 bench/offload/report.py --brief "$OUT/ab/$r-$v.jsonl")" \
             | tee -a "$OUT/ab.txt"

@@ -339,7 +339,11 @@ CopyStats CopyEngine::stats() const {
     s.busy_us = stats_extra_.busy_us;
     // A busy period still open counts up to now (host time): on a saturated link one period can last for many
     // layers, and the busy share and achieved speed read between them would see nothing, then all of it at once.
-    if (queue_.in_flight() > 0) s.busy_us += std::max(double(now_ns() - busy_start_host_ns_) * 1e-3, 0.0);
+    // What was reported stays counted (retire_locked), so that the counter never goes down.
+    if (queue_.in_flight() > 0) {
+        open_reported_us_ = std::max(open_reported_us_, double(now_ns() - busy_start_host_ns_) * 1e-3);
+        s.busy_us += open_reported_us_;
+    }
     return s;
 }
 
@@ -357,7 +361,9 @@ void CopyEngine::retire_locked() {
     queue_.retire_oldest();
     if (queue_.in_flight() == 0) {
         double us = backend_.event_elapsed_us(busy_start_, done);
-        stats_extra_.busy_us += us >= 0 ? us : double(now_ns() - busy_start_host_ns_) * 1e-3;
+        if (us < 0) us = double(now_ns() - busy_start_host_ns_) * 1e-3;
+        stats_extra_.busy_us += std::max(us, open_reported_us_);  // stats() may have reported more already
+        open_reported_us_ = 0;
     }
 }
 

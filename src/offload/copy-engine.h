@@ -223,6 +223,7 @@ class CopyEngine {
     std::vector<Event> chunk_events_;    // [queue_depth] recorded after each chunk in flight
     Event busy_start_ = nullptr;         // recorded before the chunk that opens a busy period
     int64_t busy_start_host_ns_ = 0;     // host time the busy period opened (guarded by mutex_)
+    mutable double open_reported_us_ = 0;  // the open period's busy time stats() has reported (guarded by mutex_)
 
     mutable std::mutex mutex_;
     std::condition_variable wake_;      // copy thread: new work, promotion, stop

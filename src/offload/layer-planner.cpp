@@ -96,7 +96,7 @@ bool LayerPlanner::begin(int32_t layer, std::span<const int32_t> routed, int32_t
     s.moe_estimate_us = balancer_.layer_estimate_us();
     // Link time's price: the busy share squared, gentle while the link has room and 1 when it is saturated (queueing
     // delay grows faster than the load). In the simulator it beat the share itself at every budget (decision 0147).
-    const double busy = balancer_.link_busy_share();
+    const double busy = config_.link_price ? balancer_.link_busy_share() : 0.0;
     s.link_price = busy * busy;
     s.prefetch_room = config_.max_prefetch_in_flight;
     const int32_t window = cache_ ? std::min(config_.prefetch_window, placement_.n_layers - 1 - layer) : 0;

@@ -32,6 +32,7 @@ struct PlannerConfig {
     int32_t residency_horizon = 256;     // most steps of a layer over which keeping an expert resident is valued
                                          // (fewer when the layer's slots turn over faster)
     LoadBalance balance = LoadBalance::LINK;  // which of the load balancer's corrections the cost model takes
+    bool link_price = true;              // price speculative copies by the link's busy share (decision 0147)
     std::string dump_path;               // write every planned layer's state here (JSON lines), "" = off
 };
 

@@ -35,8 +35,8 @@ void LoadBalancer::observe(const LayerMeasurement &m, LayerStats &stats, LoadBal
     }
     if (mode != LoadBalance::OFF) {
         changed += update(corrections_.link, m.link_work_us, m.link_predicted_us);
-        if (m.link_wall_us > 0 && m.link_work_us >= 0) {
-            const double share = std::min(m.link_work_us / m.link_wall_us, 1.0);
+        if (m.link_wall_us > 0 && m.link_busy_us >= 0) {
+            const double share = std::min(m.link_busy_us / m.link_wall_us, 1.0);
             link_busy_share_ += config_.rate * (share - link_busy_share_);
         }
     }

@@ -37,7 +37,7 @@ struct LayerMeasurement {
     double cpu_work_us = -1, cpu_predicted_us = -1;    // the CPU experts' host time and its prediction
     double gpu_work_us = -1, gpu_predicted_us = -1;    // the GPU experts' device time and its prediction
     double link_work_us = -1, link_predicted_us = -1;  // copy time of bytes moved and its prediction
-    double link_wall_us = -1;                          // the time link_work_us was measured over (busy share)
+    double link_busy_us = -1, link_wall_us = -1;       // the link's busy time over a window of wall time
     double cpu_end_us = -1, gpu_end_us = -1;           // when each side finished (the finish gap)
     double layer_us = -1;                              // the layer's expert part, measured or predicted
 };
@@ -47,11 +47,11 @@ class LoadBalancer {
     explicit LoadBalancer(LoadBalancerConfig config = {}) : config_(config) {}
     /// Folds one layer's measurements into the corrections `mode` learns (the predictions must have been made
     /// with the current corrections; the others stay 1); adds the finish gap, and the corrections made, to `stats`.
-    void observe(const LayerMeasurement &m, LayerStats &stats, LoadBalance mode = LoadBalance::ON);
+    void observe(const LayerMeasurement &m, LayerStats &stats, LoadBalance mode);
     const CostCorrections &corrections() const { return corrections_; }
     /// Recent expert-part time of a layer (moving average of layer_us), 0 before the first.
     double layer_estimate_us() const { return layer_estimate_us_; }
-    /// Recent share of the time the link was busy, in [0, 1] (moving average of link_work_us / link_wall_us; 0
+    /// Recent share of the time the link was busy, in [0, 1] (moving average of link_busy_us / link_wall_us; 0
     /// before the first and under LoadBalance::OFF): the scheduler prices link time by it (LayerState::link_price,
     /// decision 0147).
     double link_busy_share() const { return link_busy_share_; }

@@ -32,7 +32,7 @@ const std::vector<std::string> &OffloadConfig::keys() {
         "gpu_cache",          "cache_policy",     "cpu_threshold",      "stream_min_batch",  "prefetch_window",
         "prefetch_max_per_layer", "prefetch_in_flight", "predict_max_tokens", "predictor",  "placement",
         "routing_trace",      "gpu_device",       "copy_chunk",         "copy_queue_depth",  "copy_bandwidth_cap",
-        "cost_profile",       "load_balance",     "numa",               "dump_layer_states",
+        "cost_profile",       "load_balance",     "link_price",         "numa",              "dump_layer_states",
         "device_hits",        "device_steps",     "cuda_graphs",        "gpus",              "expert_groups"};
     return k;
 }
@@ -87,11 +87,14 @@ void OffloadConfig::set(std::string_view key, std::string_view value, std::strin
         } else {
             fail("{}: expected off, link or on, got '{}'", where, value);
         }
-    } else if (key == "device_hits" || key == "device_steps" || key == "cuda_graphs") {
+    } else if (key == "link_price" || key == "device_hits" || key == "device_steps" || key == "cuda_graphs") {
         if (value != "on" && value != "off" && value != "true" && value != "false") {
             fail("{}: expected on or off, got '{}'", where, value);
         }
-        bool &flag = key == "device_hits" ? device_hits : key == "device_steps" ? device_steps : cuda_graphs;
+        bool &flag = key == "link_price"     ? link_price
+                     : key == "device_hits"  ? device_hits
+                     : key == "device_steps" ? device_steps
+                                             : cuda_graphs;
         flag = value == "on" || value == "true";
     } else if (key == "prefetch_in_flight") {
         prefetch_in_flight = int32_t(parse_int(value, 1, 1024, source, key));
@@ -146,7 +149,7 @@ std::string OffloadConfig::no_effect(std::string_view key) const {
     if (key == "gpu_device" || key == "numa" || key == "placement") return {};
     if (gpu_cache_bytes == 0) return "gpu_cache is 0: every expert runs on the CPU";
     const bool threshold = cpu_threshold >= 0;
-    if (threshold && (key == "cost_profile" || key == "load_balance" || key == "prefetch_in_flight")) {
+    if (threshold && (key == "cost_profile" || key == "load_balance" || key == "link_price" || key == "prefetch_in_flight")) {
         return "cpu_threshold is set: the threshold rule decides, not the cost model";
     }
     const bool prefetch_keys = key == "prefetch_window" || key == "prefetch_max_per_layer" ||
@@ -193,6 +196,7 @@ std::string OffloadConfig::get(std::string_view key) const {
     if (key == "device_hits") return device_hits ? "on" : "off";
     if (key == "device_steps") return device_steps ? "on" : "off";
     if (key == "cuda_graphs") return cuda_graphs ? "on" : "off";
+    if (key == "link_price") return link_price ? "on" : "off";
     if (key == "prefetch_in_flight") return std::to_string(prefetch_in_flight);
     if (key == "numa") return numa;
     if (key == "dump_layer_states") return dump_layer_states.empty() ? "off" : dump_layer_states;
@@ -232,6 +236,7 @@ nlohmann::json OffloadConfig::to_json() const {
     j["device_hits"] = device_hits;
     j["device_steps"] = device_steps;
     j["cuda_graphs"] = cuda_graphs;
+    j["link_price"] = link_price;
     j["prefetch_in_flight"] = prefetch_in_flight;
     j["numa"] = numa;
     j["dump_layer_states"] = dump_layer_states;

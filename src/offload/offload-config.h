@@ -36,6 +36,8 @@ struct OffloadConfig {
                                        // for the GPU and link terms, the CPU terms measured at start-up
     LoadBalance load_balance = LoadBalance::LINK;  // which cost-model terms are corrected online from measured
                                        // times: off | link (the copy engine's speed; 0146) | on (and CPU, GPU: 0087)
+    bool link_price = true;            // prefetches and installs pay for their link time, priced by the link's busy
+                                       // share (0147); learned unless load_balance is off
     int32_t prefetch_in_flight = 8;    // prefetch requests outstanding at most (cost rule)
     std::string numa = "gpu";          // gpu | distribute | isolate | numactl (runtime/numa.h)
     std::string dump_layer_states;     // write every layer's scheduler state here (JSON lines; schedule-check)

@@ -29,8 +29,8 @@ class Milp {
         ++binaries_;
         return c;
     }
-    int fixed_binary(double value, double objective = 0) {
-        const int c = binary(objective);
+    int fixed_binary(double value) {
+        const int c = binary();
         glp_set_col_bnds(lp_, c, GLP_FX, value, value);
         return c;
     }
@@ -125,9 +125,7 @@ IlpResult solve_layer_ilp(const LayerState &s, const IlpOptions &o) {
         const SchedExpert &xe = s.routed[size_t(misses[size_t(i)])];
         const bool gpu_only = xe.site == ExecSite::GPU;
         forced += gpu_only;
-        // Running it on the GPU copies it: its link time at the link's price (evaluate_plan's link_cost_us).
-        const double link_cost = s.link_price * xe.fetch_us;
-        x[size_t(i)] = gpu_only ? p.fixed_binary(1, link_cost) : p.binary(link_cost);
+        x[size_t(i)] = gpu_only ? p.fixed_binary(1) : p.binary();
         for (int32_t w = 0; w <= n_waves; ++w) uw(i, w) = stream ? p.binary() : x[size_t(i)];
     }
     if (stream) {
@@ -295,8 +293,8 @@ IlpResult solve_layer_ilp(const LayerState &s, const IlpOptions &o) {
     p.at_least(Row().add(t, 1).add(e_prev, -1), 0);
     p.at_least(Row().add(t, 1).add(c_end, -1), 0);
 
-    // Prefetches issued in priority order: y_j = 1 issues it (credit install_us), z_j = 1 when it also lands
-    // before its deadline (credit prob x miss_us).
+    // Prefetches issued in priority order: y_j = 1 issues it (credit install_us less its link price, link_price x
+    // fetch_us), z_j = 1 when it also lands before its deadline (credit prob x miss_us).
     std::vector<int32_t> order;
     candidate_priority_order(s, order);
     while (!order.empty()) {
@@ -305,7 +303,7 @@ IlpResult solve_layer_ilp(const LayerState &s, const IlpOptions &o) {
         order.pop_back();  // worthless candidates are never planned
     }
     // Installs: a CPU-run miss copied behind everything (w_i <= 1 - x_i), not in a layer that streams, into the
-    // slots the FETCH experts leave (sum w + sum u0 <= free_slots); credit install_us.
+    // slots the FETCH experts leave (sum w + sum u0 <= free_slots); credit install_us less its link price.
     std::vector<int> w_install(size_t(m), -1);
     {
         Row slots;

@@ -54,7 +54,7 @@ PlanTimes evaluate_plan(const LayerState &s, const LayerDecision &d, bool split,
                         const std::vector<PlannedPrefetch> &prefetch) {
     PRESCOPE_ASSERT(d.experts.size() == s.routed.size());
     const HitWave h = hit_wave(s, &d);
-    double fetch_link = 0, fetch_gpu = 0, cpu = 0, copies_us = 0;  // copies_us: link time of every copy issued
+    double fetch_link = 0, fetch_gpu = 0, cpu = 0;
     bool any_fetch = false, any_cpu = false, any_stream = false;
     for (size_t i = 0; i < s.routed.size(); ++i) {
         const SchedExpert &x = s.routed[i];
@@ -62,17 +62,13 @@ PlanTimes evaluate_plan(const LayerState &s, const LayerDecision &d, bool split,
         case ExpertAction::FETCH:
             any_fetch = true;
             fetch_link += x.fetch_us;
-            copies_us += x.fetch_us;
             fetch_gpu += x.gpu_us;
             break;
         case ExpertAction::CPU:
             any_cpu = true;
             cpu += x.cpu_us;
             break;
-        case ExpertAction::STREAM:
-            any_stream = true;
-            copies_us += x.fetch_us;
-            break;
+        case ExpertAction::STREAM: any_stream = true; break;
         case ExpertAction::HIT: break;
         }
     }
@@ -131,26 +127,27 @@ PlanTimes evaluate_plan(const LayerState &s, const LayerDecision &d, bool split,
     double stall = 0;
     for (const SchedCandidate &c : s.candidates) stall += c.prob * c.miss_us;
     double link = link_end + s.prefetch_backlog_us;
+    double speculative_us = 0;  // link time of the prefetches and installs
     const double hits_end = h.any ? h.arrival_us + s.wave_us + h.gpu_us : 0.0;
     for (const PlannedPrefetch &p : prefetch) {
         if (p.routed >= 0) {
             PRESCOPE_ASSERT(size_t(p.routed) < s.routed.size() && d.experts[size_t(p.routed)].action == ExpertAction::CPU);
             link += s.routed[size_t(p.routed)].fetch_us;
-            copies_us += s.routed[size_t(p.routed)].fetch_us;
+            speculative_us += s.routed[size_t(p.routed)].fetch_us;
             if (!any_stream) t.residency_us += s.routed[size_t(p.routed)].install_us;
             continue;
         }
         PRESCOPE_ASSERT(p.candidate >= 0 && size_t(p.candidate) < s.candidates.size());
         const SchedCandidate &c = s.candidates[size_t(p.candidate)];
         link += c.fetch_us;
-        copies_us += c.fetch_us;
+        speculative_us += c.fetch_us;
         const double deadline = hits_end + double(c.distance) * s.next_layer_us +
                                 double(std::max(c.distance - 1, 0)) * s.moe_estimate_us;
         if (link <= deadline) stall -= c.prob * c.miss_us;
         t.residency_us += c.install_us;
     }
     t.next_stall_us = std::max(stall, 0.0);
-    t.link_cost_us = s.link_price * copies_us;
+    t.link_cost_us = s.link_price * speculative_us;
     return t;
 }
 
@@ -259,9 +256,9 @@ std::string LayerPlan::describe() const {
         out += "]";
     }
     out += fmt::format(" | predicted gpu {:.0f} cpu {:.0f} link {:.0f} critical {:.0f} stall {:.0f} residency {:.0f} "
-                       "us ({})",
+                       "link cost {:.0f} us ({})",
                        predicted.gpu_end_us, predicted.cpu_end_us, predicted.link_end_us, predicted.critical_us,
-                       predicted.next_stall_us, predicted.residency_us, rule);
+                       predicted.next_stall_us, predicted.residency_us, predicted.link_cost_us, rule);
     return out;
 }
 

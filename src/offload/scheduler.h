@@ -99,8 +99,8 @@ struct PlanTimes {
     double critical_us = 0;    // max(gpu_end, cpu_end): the layer's critical path
     double next_stall_us = 0;  // expected stall of layers l+1..l+w (sum over candidates of prob x miss)
     double residency_us = 0;   // what the experts this plan leaves resident save later steps (install_us)
-    double link_cost_us = 0;   // link_price x the link time of the plan's copies (GPU-run misses, prefetches,
-                               // installs): what they take from the other copies of the token (decision 0147)
+    double link_cost_us = 0;   // link_price x the link time of the plan's speculative copies (prefetches and
+                               // installs): what they take from the token's other copies (decision 0147)
     double objective() const { return critical_us + next_stall_us - residency_us + link_cost_us; }
 };
 
@@ -130,8 +130,8 @@ struct LayerPlan {
 ///  - CPU chain: from host_us (or from when the host stops blocking), cpu_layer_us + the CPU experts.
 ///  - prefetches: in plan order after the last demand copy and the backlog; a candidate not in the plan
 ///    (or one arriving after its deadline) counts prob x miss_us as expected stall.
-///  - link cost: link_price x the fetch_us of every copy the plan issues (its GPU-run misses, prefetches and
-///    installs; ARRIVING copies are already paid).
+///  - link cost: link_price x the fetch_us of every prefetch and install. Demand copies are not priced: their
+///    queueing is in link_free_us and their time in the critical path already.
 ///  - residency: the last wave_slots of the layer's loads in ascending id (FETCH then STREAM: all of them when
 ///    nothing streams; each load evicts the least recent), every planned prefetch, and every install (a CPU-run expert copied
 ///    at prefetch priority after the candidates, in a layer that does not stream) stay resident for later

@@ -222,6 +222,7 @@ SimResult simulate(const RoutingTrace &trace, const ExpertShape &shape, const Co
     pc.max_prefetch_in_flight = cfg.prefetch_in_flight;
     pc.residency_horizon = cfg.residency_horizon;
     pc.balance = cfg.balance;
+    pc.link_price = cfg.link_price;
     pc.dump_path = cfg.dump_path;
     LayerPlanner planner(placement, &cache, planner_cost, pc, k);
 
@@ -253,7 +254,8 @@ SimResult simulate(const RoutingTrace &trace, const ExpertShape &shape, const Co
     LayerDecision wave;
     wave.reserve(E);
     double now = 0;
-    double seen_busy_us = 0, seen_at_us = 0;  // the link's busy time at the last measurement, and when
+    double share_busy_us = 0, share_at_us = 0;  // the link's busy time at the last step, and when
+    double seen_busy_us = 0;                     // and when bytes last landed (the link correction)
     uint64_t seen_bytes = 0, seen_requests = 0;
     int64_t cursor = cfg.first_token;
 
@@ -381,15 +383,17 @@ SimResult simulate(const RoutingTrace &trace, const ExpertShape &shape, const Co
             }
             // The link as the runtime sees it (HybridMoe::collect_timings): busy time and bytes of every copy since
             // the last step, over the time passed.
-            m.link_work_us = link.busy_us() - seen_busy_us;
-            m.link_wall_us = t_route - seen_at_us;
+            m.link_busy_us = link.busy_us() - share_busy_us;
+            m.link_wall_us = t_route - share_at_us;
+            share_busy_us = link.busy_us();
+            share_at_us = t_route;
             if (link.bytes_moved() > seen_bytes) {
+                m.link_work_us = link.busy_us() - seen_busy_us;
                 m.link_predicted_us = planner.cost().link_us(link.bytes_moved() - seen_bytes, link.requests() - seen_requests);
+                seen_busy_us = link.busy_us();
+                seen_bytes = link.bytes_moved();
+                seen_requests = link.requests();
             }
-            seen_busy_us = link.busy_us();
-            seen_bytes = link.bytes_moved();
-            seen_requests = link.requests();
-            seen_at_us = t_route;
             m.layer_us = plan.predicted.critical_us;
             planner.observe(m, st);
             now = t_route + times.critical_us;

@@ -36,6 +36,7 @@ struct SimConfig {
     int32_t queue_depth = 4;
     CostCorrections truth;                       // the machine is this far from the profile (the balancer's job)
     LoadBalance balance = LoadBalance::LINK;  // the runtime's default (decision 0146)
+    bool link_price = true;                    // the runtime's default (decision 0147)
     std::string dump_path;                       // layer states of every planned layer (JSON lines)
 };
 

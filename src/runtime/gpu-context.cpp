@@ -370,6 +370,7 @@ void GpuContext::init() {
     hc.planner.prefetch_max_per_layer = config.prefetch_max_per_layer;
     hc.planner.max_prefetch_in_flight = config.prefetch_in_flight;
     hc.planner.balance = config.load_balance;
+    hc.planner.link_price = config.link_price;
     hc.planner.dump_path = config.dump_layer_states;
     hc.predict_max_tokens = oracle_ ? 1 : predict_tokens;
     const CostModel cost = runtime_cost_model(model, config, cpu::get_threads(), 1.5, &cost_notes_);

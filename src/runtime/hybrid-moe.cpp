@@ -118,7 +118,8 @@ HybridMoe::HybridMoe(const Model &model, const ExpertStore &store, const Placeme
     }
     if (engine_) {
         copy_seen_ = engine_->stats();
-        copy_seen_at_us_ = now_us();
+        share_seen_busy_us_ = copy_seen_.busy_us;
+        share_seen_at_us_ = now_us();
     }
     if (cache_) {
         table_slot_.assign(size_t(hp.n_layer) * E, -1);
@@ -433,21 +434,23 @@ void HybridMoe::collect_timings() {
         planner_->observe(m, st);
     }
     if (engine_) {
-        // The copy engine's achieved speed since the last look against the model's, and its busy share.
+        // The copy engine's busy share over the last window, and its achieved speed since bytes last landed
+        // against the model's (a window can be shorter than one chunk: its busy time waits for its bytes).
         const CopyStats now = engine_->stats();
-        const double at = now_us(), wall = at - copy_seen_at_us_;
-        const double bytes = double(now.bytes_done - copy_seen_.bytes_done), busy = now.busy_us - copy_seen_.busy_us;
-        if (wall >= kLinkWindowUs) {
+        const double at = now_us();
+        if (at - share_seen_at_us_ >= kLinkWindowUs) {
             LayerMeasurement m;
-            m.link_work_us = std::max(busy, 0.0);
-            m.link_wall_us = wall;
-            if (bytes > 0) {
+            m.link_busy_us = now.busy_us - share_seen_busy_us_;
+            m.link_wall_us = at - share_seen_at_us_;
+            if (now.bytes_done > copy_seen_.bytes_done) {
+                m.link_work_us = now.busy_us - copy_seen_.busy_us;
                 m.link_predicted_us = planner_->cost().link_us(now.bytes_done - copy_seen_.bytes_done,
                                                                now.requests_done - copy_seen_.requests_done);
+                copy_seen_ = now;
             }
             planner_->observe(m, cache_->layer_stats(cache_->n_layers() - 1));
-            copy_seen_ = now;
-            copy_seen_at_us_ = at;
+            share_seen_busy_us_ = now.busy_us;
+            share_seen_at_us_ = at;
         }
     }
 }

@@ -262,8 +262,9 @@ class HybridMoe {
     std::vector<uint8_t> timing_pending_;                     // [n_layers]
     std::vector<double> pending_cpu_end_us_, pending_gpu_predicted_us_;
     std::vector<uint8_t> pending_simple_;                     // [n_layers] one wave, no split: compute is timed
-    CopyStats copy_seen_;          // engine counters at the last link measurement
-    double copy_seen_at_us_ = 0;   // and when (now_us)
+    CopyStats copy_seen_;              // engine counters when bytes last landed (the link correction)
+    double share_seen_busy_us_ = 0;    // the engine's busy time at the last busy-share window
+    double share_seen_at_us_ = 0;      // and when it was read (now_us)
     // Shortest window a link measurement covers: the busy share of a few microseconds is noise.
     static constexpr double kLinkWindowUs = 200;
     // The device slot table as queued (issue 14).

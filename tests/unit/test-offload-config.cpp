@@ -126,6 +126,10 @@ TEST(OffloadConfig, SeedStyleSectionsAndKeysWithoutEffect) {
     EXPECT_EQ(g.load_balance, LoadBalance::ON);
     EXPECT_NE(error_of([&] { g.set("load_balance", "cpu", "f"); }).find("f: load_balance: expected off, link or on, got 'cpu'"),
               std::string::npos);
+    EXPECT_TRUE(g.link_price);  // decision 0147
+    g.set("link_price", "off", "f");
+    EXPECT_FALSE(g.link_price);
+    EXPECT_EQ(g.get("link_price"), "off");
     g.set("load_balance", "off", "f");
     EXPECT_EQ(g.load_balance, LoadBalance::OFF);
     g.set("cpu_threshold", "2", "f");

@@ -395,6 +395,25 @@ TEST(CopyEngine, AchievedBandwidthIsBytesOverLinkBusyTime) {
     EXPECT_NEAR(s.achieved_gb_s(), 10.0, 1e-9);
 }
 
+TEST(CopyEngine, AnOpenBusyPeriodCountsAndTheCounterNeverGoesDown) {
+    // Decision 0147: busy time is read between layers while a period is still open (host time), and what was
+    // reported stays counted when the period closes with a shorter event time (the virtual link's 0.1 ns a byte).
+    FakeBackend::Config fc = fake(FakeBackend::Mode::MANUAL);
+    fc.link_bytes_per_s = 10e9;
+    FakeBackend b(fc);
+    CopyEngine engine(b);
+    std::vector<uint8_t> src(4096, 3), dst(4096, 0);
+    engine.submit({dst.data(), src.data(), src.size(), CopyPriority::DEMAND});
+    ASSERT_TRUE(b.wait_copies_issued(1));
+    const double before = engine.stats().busy_us;
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    const double open = engine.stats().busy_us;
+    EXPECT_GE(open, before + 2000);  // at least the sleep: the period is open, the copy not run
+    pump_until_idle(b, engine);
+    EXPECT_GE(engine.stats().busy_us, open);  // the event time (0.4 us) did not replace what was reported
+    EXPECT_EQ(engine.stats().bytes_done, 4096u);
+}
+
 namespace {
 
 // Forwards to a FakeBackend but fails every host-to-device copy, as a broken driver would.

@@ -231,14 +231,10 @@ TEST(SchedulerModel, SmallExpertsGoToWhicheverSideIsCheaper) {
     // Split: 22 + 3 m after max(104 m, 100 (8 - m)); m = 4 gives max(416, 400) + 34 = 450, the best.
     EXPECT_EQ(p.decision.n_fetch, 4);
     EXPECT_DOUBLE_EQ(p.predicted.critical_us, 416 + 22 + 12);
-    // Link time at a price (decision 0147): cheap, the split stays (m = 4: 450 + 0.1 x 416 against m = 3: 531 +
-    // 31.2); at a saturated link's price a copy costs its whole time and the CPU's 800 beats m = 1's 725 + 104.
-    s.link_price = 0.1;
-    EXPECT_EQ(plan_of(s).decision.n_fetch, 4);
-    EXPECT_NEAR(plan_of(s).predicted.link_cost_us, 41.6, 1e-9);
+    // The link's price is for speculative copies only (decision 0147): the misses' split does not move with it.
     s.link_price = 1;
-    EXPECT_EQ(plan_of(s).decision.n_fetch, 0);
-    EXPECT_DOUBLE_EQ(plan_of(s).predicted.objective(), 800);
+    EXPECT_EQ(plan_of(s).decision.n_fetch, 4);
+    EXPECT_DOUBLE_EQ(plan_of(s).predicted.link_cost_us, 0);
     s.link_price = 0;
     // A CPU twice as slow sends more over the link.
     for (SchedExpert &x : s.routed) x.cpu_us = 200;
@@ -319,6 +315,21 @@ TEST(SchedulerModel, APrefetchIsPlannedOnlyIfItLandsBeforeItIsNeeded) {
     s.link_price = 1;
     EXPECT_TRUE(plan_of(s).prefetch.empty());
     s.link_price = 0;
+    // An install (a CPU-run miss copied behind the layer) pays the same price: credited 60 against a 100 us copy,
+    // planned while the price is under 0.6, and its price counted in the objective.
+    LayerState inst;
+    inst.free_slots = inst.wave_slots = 2;
+    inst.prefetch_room = 4;
+    inst.routed = {miss(4, 1, 3, 10, 100)};  // the CPU (10 us) beats the link (100 + 3): it runs there
+    inst.routed[0].install_us = 60;
+    inst.link_price = 0.5;
+    LayerPlan ip = plan_of(inst);
+    ASSERT_EQ(ip.decision.n_cpu, 1);
+    ASSERT_EQ(ip.prefetch.size(), 1u);
+    EXPECT_EQ(ip.prefetch[0].routed, 0);
+    EXPECT_DOUBLE_EQ(ip.predicted.link_cost_us, 50);
+    inst.link_price = 0.7;
+    EXPECT_TRUE(plan_of(inst).prefetch.empty());
     // No slot to take in layer 1: nothing planned either.
     s.next_free = {0};
     EXPECT_TRUE(plan_of(s).prefetch.empty());
@@ -463,6 +474,12 @@ TEST(CostModel, CopyTimeIsTheFakeLinkClocksAtTheProfilesBandwidth) {
     }
     EXPECT_NEAR(backend.virtual_time_us(), 3 * (model.fetch_us() - p.h2d_request_us), 1e-6 * backend.virtual_time_us());
     backend.free(MemoryKind::DEVICE, dev);
+    // The load balancer's prediction of the busy time of those copies: their bytes plus each request's fixed cost,
+    // i.e. three fetches, corrected alike (decision 0146).
+    EXPECT_NEAR(model.link_us(3 * shape.bytes, 3), 3 * model.fetch_us(), 1e-9 * model.fetch_us());
+    CostModel slow = model;
+    slow.corrections.link = 2.5;
+    EXPECT_NEAR(slow.link_us(3 * shape.bytes, 3), 2.5 * 3 * model.fetch_us(), 1e-9 * model.fetch_us());
 }
 
 TEST(CostModel, ReferenceTermsAndMeasuredPointsAndProfileRoundTrip) {
@@ -519,7 +536,7 @@ TEST(LoadBalancer, CorrectionsConvergeToTheMeasuredRatioAndAreCounted) {
         m.link_work_us = 400;
         m.cpu_end_us = 2100;
         m.gpu_end_us = 1900;
-        lb.observe(m, st);
+        lb.observe(m, st, LoadBalance::ON);
     }
     EXPECT_NEAR(lb.corrections().cpu, 2.0, 0.02);
     EXPECT_NEAR(lb.corrections().link, 0.8, 0.01);
@@ -530,7 +547,7 @@ TEST(LoadBalancer, CorrectionsConvergeToTheMeasuredRatioAndAreCounted) {
     LayerMeasurement wild;
     wild.cpu_predicted_us = 1000;
     wild.cpu_work_us = 1e9;
-    for (int i = 0; i < 100; ++i) lb.observe(wild, st);
+    for (int i = 0; i < 100; ++i) lb.observe(wild, st, LoadBalance::ON);
     EXPECT_DOUBLE_EQ(lb.corrections().cpu, 4.0);  // bounded
 }
 
@@ -548,6 +565,7 @@ TEST(LoadBalancer, TheLinkModeLearnsOnlyTheCopySpeed) {
             m.gpu_work_us = 50;
             m.link_predicted_us = 500 * lb.corrections().link;
             m.link_work_us = 2000;  // the link runs at a quarter of the profile's speed
+            m.link_busy_us = 2000;
             m.link_wall_us = 5000;  // and is busy 40% of the time
             m.cpu_end_us = 2100;
             m.gpu_end_us = 1900;
@@ -564,11 +582,11 @@ TEST(LoadBalancer, TheLinkModeLearnsOnlyTheCopySpeed) {
     LoadBalancer lb;
     LayerStats st;
     LayerMeasurement busy;
-    busy.link_work_us = busy.link_wall_us = 1000;
+    busy.link_busy_us = busy.link_wall_us = 1000;
     for (int i = 0; i < 40; ++i) lb.observe(busy, st, LoadBalance::LINK);
     EXPECT_NEAR(lb.link_busy_share(), 1.0, 1e-4);
     LayerMeasurement idle;
-    idle.link_work_us = 0;
+    idle.link_busy_us = 0;
     idle.link_wall_us = 1000;
     for (int i = 0; i < 40; ++i) lb.observe(idle, st, LoadBalance::LINK);
     EXPECT_NEAR(lb.link_busy_share(), 0.0, 1e-4);

@@ -38,8 +38,12 @@ constexpr std::array kFlags = {
     FlagSpec{"--copy-depth", "copy_queue_depth", "copy engine chunks in flight"},
     FlagSpec{"--copy-bandwidth-cap", "copy_bandwidth_cap", "copy engine bandwidth cap per second, e.g. 20GB (0: none)"},
     FlagSpec{"--cost-profile", "cost_profile", "cost profile JSON written by `prescope calibrate`"},
-    FlagSpec{"--load-balance", "load_balance", "which cost-model terms are corrected online from measured times: off, link (the copy speed) or on (and the CPU "
-             "and GPU times)"},
+    FlagSpec{"--load-balance", "load_balance",
+             "which cost-model terms are learned online from measured times: off (the profile as it is, the link "
+             "free), link (the copy speed and the link's busy share) or on (and the CPU and GPU expert times)"},
+    FlagSpec{"--link-price", "link_price",
+             "on or off: prefetches and installs pay for their link time at the square of the link's busy share "
+             "(needs --load-balance link or on)"},
     FlagSpec{"--prefetch-in-flight", "prefetch_in_flight", "prefetch requests outstanding at most"},
     FlagSpec{"--numa", "numa",
              "expert store and CPU expert threads: gpu (the GPU's node), distribute, isolate or numactl (as llama.cpp)"},

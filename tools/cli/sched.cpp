@@ -83,7 +83,8 @@ struct SimulateArgs {
     std::string trace, shape = "qwen3-30b-a3b", model, profile, budget = "12GiB", cpu_threshold = "auto",
                 policy = "lru", truth, dump, format = "json", label;
     SimConfig config;
-    std::string load_balance = "link";
+    std::string load_balance = "link", link_price = "on";
+    bool no_balance = false;  // the old spelling of --load-balance off (commands in committed results use it)
     std::string command;
 };
 
@@ -136,7 +137,10 @@ void run_simulate(SimulateArgs a) {
     }();
     c.policy = parse_eviction_policy(a.policy);
     c.truth = parse_truth(a.truth);
-    c.balance = a.load_balance == "off" ? LoadBalance::OFF : a.load_balance == "on" ? LoadBalance::ON : LoadBalance::LINK;
+    c.balance = a.no_balance || a.load_balance == "off" ? LoadBalance::OFF
+                : a.load_balance == "on"                 ? LoadBalance::ON
+                                                         : LoadBalance::LINK;
+    c.link_price = a.link_price == "on";
     c.dump_path = a.dump;
     if (c.threads <= 0) c.threads = profile.cpu_threads;
     const auto t0 = std::chrono::steady_clock::now();
@@ -375,9 +379,16 @@ void register_simulate(CLI::App &app) {
     cmd->add_option("--copy-chunk", a->config.chunk_bytes, "copy chunk bytes")->check(CLI::Range(uint64_t(4096), uint64_t(1) << 30));
     cmd->add_option("--truth", a->truth, "the machine against the profile, e.g. cpu=1.3,link=0.9 (the load balancer "
                                          "corrects toward it)");
-    cmd->add_option("--load-balance", a->load_balance, "which terms the load balancer corrects toward --truth: off, link "
-                                                       "(the runtime's default) or on (and the CPU and GPU)")
-        ->check(CLI::IsMember({"off", "link", "on"}));
+    cmd->add_option("--load-balance", a->load_balance,
+                    "which terms are learned online (toward --truth): off (the profile as it is, the link free), "
+                    "link (the copy speed and the link's busy share) or on (and the CPU and GPU expert times)")
+        ->check(CLI::IsMember({"off", "link", "on"}))
+        ->capture_default_str();
+    cmd->add_option("--link-price", a->link_price,
+                    "on or off: prefetches and installs pay for their link time at the square of the link's busy share")
+        ->check(CLI::IsMember({"on", "off"}))
+        ->capture_default_str();
+    cmd->add_flag("--no-balance", a->no_balance, "the same as --load-balance off")->group("");
     cmd->add_option("--dump-layer-states", a->dump, "write every planned layer's state here (JSON lines)");
     cmd->add_option("-o,--output-format", a->format, "json or md")->check(CLI::IsMember({"json", "md"}));
     cmd->add_option("--label", a->label, "free text carried into the output row");
