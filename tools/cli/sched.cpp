@@ -33,7 +33,13 @@ std::string command_line(const CLI::App *cmd, const char *name) {
     std::string s = fmt::format("prescope {}", name);
     for (const auto &opt : cmd->get_options()) {
         for (const auto &r : opt->results()) {
-            s += opt->nonpositional() ? fmt::format(" {} {}", opt->get_name(), r) : fmt::format(" {}", r);
+            if (!opt->nonpositional()) {
+                s += fmt::format(" {}", r);
+            } else if (opt->get_expected_max() == 0) {  // a flag: its name alone ("--no-balance true" does not parse)
+                s += fmt::format(" {}", opt->get_name());
+            } else {
+                s += fmt::format(" {} {}", opt->get_name(), r);
+            }
         }
     }
     return s;
@@ -388,7 +394,7 @@ void register_simulate(CLI::App &app) {
                     "on or off: prefetches and installs pay for their link time at the square of the link's busy share")
         ->check(CLI::IsMember({"on", "off"}))
         ->capture_default_str();
-    cmd->add_flag("--no-balance", a->no_balance, "the same as --load-balance off")->group("");
+    cmd->add_flag("--no-balance", a->no_balance, "the same as --load-balance off (its old spelling)");
     cmd->add_option("--dump-layer-states", a->dump, "write every planned layer's state here (JSON lines)");
     cmd->add_option("-o,--output-format", a->format, "json or md")->check(CLI::IsMember({"json", "md"}));
     cmd->add_option("--label", a->label, "free text carried into the output row");
