@@ -32,9 +32,11 @@ struct ExpertGroups {
     /// PRECONDITION: 1 <= n_gpus <= min(MAX_GPUS, n_experts), n_layers >= 1.
     static ExpertGroups contiguous(int32_t n_layers, int32_t n_experts, int32_t n_gpus);
 
+    /// The GPU that holds `expert` of MoE layer `layer` (both 0-based; unchecked).
     int32_t gpu_of(int32_t layer, int32_t expert) const {
         return gpu[size_t(layer) * size_t(n_experts) + size_t(expert)];
     }
+    /// MoE layer l's row of `gpu`: [n_experts] GPU of each expert.
     std::span<const int8_t> layer(int32_t l) const {
         return {gpu.data() + size_t(l) * size_t(n_experts), size_t(n_experts)};
     }
@@ -77,6 +79,7 @@ struct RoutingStats {
     /// Halves every count of `layer` (rounding down): the runtime's window keeps its recent routing.
     void decay(int32_t layer);
 
+    /// Tokens of `layer` that chose both experts a and b (symmetric; 0 when a == b), from `coact`.
     uint32_t coact_at(int32_t layer, int32_t a, int32_t b) const {
         return coact[(size_t(layer) * size_t(n_experts) + size_t(a)) * size_t(n_experts) + size_t(b)];
     }

@@ -1,6 +1,7 @@
 // LoadBalancer: moving averages of measured / predicted time, per resource.
 #include "offload/load-balancer.h"
 
+#include "core/error.h"
 #include "offload/layer-stats.h"
 
 #include <algorithm>
@@ -25,6 +26,13 @@ const char *load_balance_name(LoadBalance mode) {
     case LoadBalance::ON: return "on";
     }
     return "?";
+}
+
+LoadBalance load_balance_from_name(std::string_view name, std::string_view where) {
+    if (name == "link") return LoadBalance::LINK;
+    if (name == "on" || name == "true") return LoadBalance::ON;
+    if (name == "off" || name == "false") return LoadBalance::OFF;
+    fail("{}: expected off, link or on, got '{}'", where, name);
 }
 
 void LoadBalancer::observe(const LayerMeasurement &m, LayerStats &stats, LoadBalance mode) {

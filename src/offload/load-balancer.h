@@ -7,6 +7,7 @@
 #include "offload/cost-model.h"
 
 #include <cstdint>
+#include <string_view>
 
 namespace prescope {
 
@@ -23,6 +24,9 @@ enum class LoadBalance : uint8_t {
 
 /// "off", "link" or "on".
 const char *load_balance_name(LoadBalance mode);
+/// The mode a name gives: "off", "link" or "on" ("false" and "true" as YAML spells the two ends). Throws
+/// prescope::Error "WHERE: expected off, link or on, got 'NAME'" on another name.
+LoadBalance load_balance_from_name(std::string_view name, std::string_view where);
 
 struct LoadBalancerConfig {
     double rate = 0.25;        // weight of a new measurement (exponential moving average of log ratios)

@@ -78,15 +78,7 @@ void OffloadConfig::set(std::string_view key, std::string_view value, std::strin
     } else if (key == "cost_profile") {
         cost_profile = std::string(value);
     } else if (key == "load_balance") {
-        if (value == "link") {
-            load_balance = LoadBalance::LINK;
-        } else if (value == "on" || value == "true") {
-            load_balance = LoadBalance::ON;
-        } else if (value == "off" || value == "false") {
-            load_balance = LoadBalance::OFF;
-        } else {
-            fail("{}: expected off, link or on, got '{}'", where, value);
-        }
+        load_balance = load_balance_from_name(value, where);
     } else if (key == "link_price" || key == "device_hits" || key == "device_steps" || key == "cuda_graphs") {
         if (value != "on" && value != "off" && value != "true" && value != "false") {
             fail("{}: expected on or off, got '{}'", where, value);

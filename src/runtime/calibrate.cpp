@@ -79,9 +79,7 @@ CpuExpertTimings measure_cpu_expert(const Model &model, int32_t layer, int32_t t
     const HParams &hp = model.hp();
     const int64_t max_tokens = 512;
     const auto n_many = int32_t(std::min<int64_t>(8, hp.n_expert));
-    ExpertStoreConfig sc;
-    sc.fetchable.assign(size_t(hp.n_layer * hp.n_expert), 0);  // read in place, as the CPU engine does
-    const ExpertStore store(model, nullptr, sc);
+    const ExpertStore store(model, nullptr, ExpertStoreConfig::cpu_only(model));  // read in place, as the CPU engine does
     const int64_t n_ff = store.layout(layer).n_ff;
     CpuExpertRunner runner(hp.n_embd, n_ff, std::max<int64_t>(max_tokens, n_many), hp.expert_act);
     std::vector<float> x(size_t(max_tokens * hp.n_embd)), y(x.size());

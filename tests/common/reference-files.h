@@ -2,11 +2,12 @@
 // docs/references.md), shared by the CPU model tests and the GPU tests.
 #pragma once
 
+#include "bitwise.h"
+
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
-#include <cctype>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -28,9 +29,7 @@ inline std::vector<std::filesystem::path> reference_files() {
 
 /// Test name of a reference file: "<arch>_<file>" with every non-alphanumeric character as '_'.
 inline std::string reference_name(const ::testing::TestParamInfo<std::filesystem::path> &info) {
-    std::string s = info.param.parent_path().filename().string() + "_" + info.param.filename().string();
-    for (char &c : s) c = std::isalnum(static_cast<unsigned char>(c)) ? c : '_';
-    return s;
+    return case_name(info.param.parent_path().filename().string() + "_" + info.param.filename().string());
 }
 
 inline nlohmann::json read_json(const std::filesystem::path &p) {

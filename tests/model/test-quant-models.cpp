@@ -62,9 +62,7 @@ std::vector<fs::path> quant_files() {
 }
 
 std::string quant_name(const ::testing::TestParamInfo<fs::path> &info) {
-    std::string s = info.param.stem().string();
-    for (char &c : s) c = std::isalnum(static_cast<unsigned char>(c)) ? c : '_';
-    return s;
+    return prescope::test::case_name(info.param.stem().string());
 }
 
 fs::path work_dir() {

@@ -1,6 +1,7 @@
 // Expert parallelism on the CPU (issue 16): expert groups (planning, balance, JSON), the dispatch plan, the
 // in-process all-to-all, and the expert-parallel executor against the one-GPU MoE block, bit for bit.
 #include "../common/error-of.h"
+#include "../common/bitwise.h"
 #include "../common/greedy-logits.h"
 #include "../common/random-trace.h"
 #include "arch/arch.h"
@@ -366,20 +367,7 @@ std::vector<float> run_tokens(const Model &model, ExpertExecutor *executor, int6
     return test::greedy_logits(model, executor, 128, n_batch, n_prompt, n_decode);
 }
 
-size_t bits_differing(const std::vector<float> &a, const std::vector<float> &b) {
-    EXPECT_EQ(a.size(), b.size());
-    size_t diff = 0;
-    for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) diff += std::memcmp(&a[i], &b[i], 4) != 0;
-    return diff;
-}
-
 class ExpertParallelModels : public ::testing::TestWithParam<std::string> {};
-
-std::string param_name(const ::testing::TestParamInfo<std::string> &info) {
-    std::string s = info.param;
-    for (char &c : s) c = std::isalnum(static_cast<unsigned char>(c)) ? c : '_';
-    return s;
-}
 
 } // namespace
 
@@ -394,7 +382,7 @@ TEST_P(ExpertParallelModels, LogitsEqualTheOneGpuBlockForOneToEightGpus) {
             SCOPED_TRACE(testing::Message() << G << " GPUs, passes of " << n_batch << " tokens");
             FakeAllToAll a2a(G);
             ExpertParallelExecutor ep(*model, shuffled_groups(L, E, G, uint32_t(G)), a2a, n_batch);
-            EXPECT_EQ(bits_differing(run_tokens(*model, &ep, n_batch, 41, 4), ref), 0u);
+            EXPECT_EQ(test::bits_differing(run_tokens(*model, &ep, n_batch, 41, 4), ref), 0u);
             EXPECT_EQ(ep.stats().steps, a2a.exchanges() / 2);
             EXPECT_EQ(ep.stats().remote_rows > 0, G > 1);
             EXPECT_NE(ep.stats_text().find(std::to_string(G) + " GPUs"), std::string::npos);
@@ -408,7 +396,7 @@ INSTANTIATE_TEST_SUITE_P(TinyModels, ExpertParallelModels,
                                            "qwen2moe/tiny-q8_0.gguf", "deepseekv3/tiny-q8_0.gguf",
                                            "deepseekv2lite/tiny-f32.gguf", "gptoss/tiny-f32.gguf",
                                            "gptoss/tiny-mxfp4.gguf"),
-                         param_name);
+                         test::string_param_name);
 
 TEST(ExpertParallel, GroupsReplannedAfterDriftChangeNoLogit) {
     // A drift window of 3 tokens and no tolerance: nearly every check finds a GPU above the mean and re-plans.
@@ -421,7 +409,7 @@ TEST(ExpertParallel, GroupsReplannedAfterDriftChangeNoLogit) {
     ExpertParallelConfig config;
     config.drift_window = 3;
     ExpertParallelExecutor ep(*model, groups, a2a, 5, config);
-    EXPECT_EQ(bits_differing(run_tokens(*model, &ep, 5, 23, 6), ref), 0u);
+    EXPECT_EQ(test::bits_differing(run_tokens(*model, &ep, 5, 23, 6), ref), 0u);
     EXPECT_GT(ep.stats().replans, 0);
     EXPECT_NE(ep.groups().gpu, before.gpu);
     for (int32_t l = 0; l < ep.groups().n_layers; ++l) {
@@ -446,7 +434,7 @@ TEST(ExpertParallel, SeveralSequencesInOnePassEqualTheOneGpuBlock) {
     const std::vector<float> ref = run(nullptr);
     FakeAllToAll a2a(3);
     ExpertParallelExecutor ep(*model, shuffled_groups(int32_t(model->hp().n_layer_moe()), 8, 3, 5), a2a, 16);
-    EXPECT_EQ(bits_differing(run(&ep), ref), 0u);
+    EXPECT_EQ(test::bits_differing(run(&ep), ref), 0u);
 }
 
 TEST(ExpertParallel, TheCpuEngineRunsGpusFromTheConfigAndTheGpuRuntimeRefusesSeveral) {
@@ -462,7 +450,7 @@ TEST(ExpertParallel, TheCpuEngineRunsGpusFromTheConfigAndTheGpuRuntimeRefusesSev
     OffloadConfig c;
     c.set("gpus", "3", "test");
     const auto [three, text] = logits(c);
-    EXPECT_EQ(bits_differing(three, ref), 0u);
+    EXPECT_EQ(test::bits_differing(three, ref), 0u);
     EXPECT_NE(text.find("expert parallel: 3 GPUs simulated on the CPU"), std::string::npos) << text;
     EXPECT_NE(text.find("GPUs per token and layer"), std::string::npos) << text;
     EXPECT_EQ(ref_text.find("expert parallel"), std::string::npos);
@@ -475,7 +463,7 @@ TEST(ExpertParallel, TheCpuEngineRunsGpusFromTheConfigAndTheGpuRuntimeRefusesSev
     c.set("expert_groups", groups, "test");
     EXPECT_NE(error_of([&] { logits(c); }).find(groups + ": expert groups for 2 GPUs, --gpus is 3"), std::string::npos);
     c.set("gpus", "2", "test");
-    EXPECT_EQ(bits_differing(logits(c).first, ref), 0u);
+    EXPECT_EQ(test::bits_differing(logits(c).first, ref), 0u);
     EXPECT_NE(logits(c).second.find("groups from " + groups), std::string::npos);
     fs::remove(groups);
 

@@ -2,6 +2,7 @@
 // the whole offload path (expert store, hot-expert table, copy engine, loader, decisions, prefetch, combine)
 // with "GPU" experts computed on the host from the bytes that reached their slots. Offloading must not
 // change the numbers: the logits equal the plain CPU executor's bit for bit, whatever the budget.
+#include "../common/bitwise.h"
 #include "../common/greedy-logits.h"
 #include "../common/tiny-model.h"
 #include "arch/arch.h"
@@ -357,18 +358,11 @@ std::vector<float> run_tokens(const Model &model, ExpertExecutor *executor, int 
 
 void expect_bitwise_equal(const std::vector<float> &a, const std::vector<float> &b) {
     ASSERT_EQ(a.size(), b.size());
-    size_t diff = 0;
-    for (size_t i = 0; i < a.size(); ++i) diff += std::memcmp(&a[i], &b[i], 4) != 0;
+    const size_t diff = test::bits_differing(a, b);
     EXPECT_EQ(diff, 0u) << "logits differ from the CPU executor's at " << diff << " of " << a.size();
 }
 
 class HybridModels : public ::testing::TestWithParam<std::string> {};
-
-std::string arch_name(const ::testing::TestParamInfo<std::string> &info) {
-    std::string s = info.param;
-    for (char &c : s) c = std::isalnum(static_cast<unsigned char>(c)) ? c : '_';
-    return s;
-}
 
 } // namespace
 
@@ -456,7 +450,7 @@ TEST_P(HybridModels, DeviceResolvedHitsEqualTheCpuExecutorAtEveryBudget) {
 // deepseekv3 / deepseekv2lite (deepseek2): a leading dense layer and an ungated shared expert (decision 0134).
 INSTANTIATE_TEST_SUITE_P(TinyModels, HybridModels,
                          ::testing::Values("qwen3moe", "mixtral", "olmoe", "qwen2moe", "deepseekv3", "deepseekv2lite"),
-                         arch_name);
+                         test::string_param_name);
 
 namespace {
 

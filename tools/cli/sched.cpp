@@ -143,9 +143,7 @@ void run_simulate(SimulateArgs a) {
     }();
     c.policy = parse_eviction_policy(a.policy);
     c.truth = parse_truth(a.truth);
-    c.balance = a.no_balance || a.load_balance == "off" ? LoadBalance::OFF
-                : a.load_balance == "on"                 ? LoadBalance::ON
-                                                         : LoadBalance::LINK;
+    c.balance = a.no_balance ? LoadBalance::OFF : load_balance_from_name(a.load_balance, "--load-balance");
     c.link_price = a.link_price == "on";
     c.dump_path = a.dump;
     if (c.threads <= 0) c.threads = profile.cpu_threads;

@@ -35,6 +35,7 @@ class NcclAllToAll final : public AllToAll {
 
     /// GPU g's stream (non-blocking, on devices[g]), where the exchanges are queued.
     cudaStream_t stream(int32_t g) const { return streams_[size_t(g)]; }
+    /// The CUDA device index of GPU (rank) g.
     int device(int32_t g) const { return devices_[size_t(g)]; }
     /// The NCCL library's version as "2.28.9" (ncclGetVersion).
     static std::string version();
