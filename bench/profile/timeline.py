@@ -5,7 +5,8 @@ Tokens are the windows between consecutive device-to-host copies of the logits: 
 --token-copy-bytes, by default the size of the trace's last device-to-host copy of at least 64 KiB (the last
 token's logits; the layers' routing copies of a decode step are far smaller, a prefill's are not). The first --skip windows (prefill and the
 first decode steps) are left out. Per window: span (one token's time), busy (the union of kernel, memcpy and memset
-intervals on the device), idle = span - busy; per kernel name: launches and device time per token; the idle time by
+intervals on the device), idle = span - busy; per kernel name (and per copy direction and size): launches (copies)
+and device time per token; the idle time by
 where it falls (the record that ended before each gap and the one that starts it), so that an idle share names the
 host work it waits for. Prints tables and, with --json, writes the numbers.
 
@@ -90,10 +91,10 @@ def summarise(rows, token_copy_bytes, skip):
             window.append(rows[j])
             k, s, e, _, _, name = rows[j]
             inside.append((s, min(e, w1)))
-            if k == "K":
-                launches += 1
-                by_name[name][0] += 1
-                by_name[name][1] += e - s
+            launches += k == "K"
+            key = name if k == "K" else label(rows[j])
+            by_name[key][0] += 1
+            by_name[key][1] += e - s
             j += 1
         busy = union_ns(inside)
         gaps(window, w0, w1, by_gap)
@@ -122,7 +123,7 @@ def main():
     print(f"{s['tokens']} decode tokens: span {m['span_us']:.0f} us (median {s['median_span_us']:.0f}), GPU busy "
           f"{m['busy_us']:.0f} us, idle {m['idle_us']:.0f} us ({100 * m['idle_us'] / m['span_us']:.1f}%), "
           f"{m['launches']:.0f} kernel launches per token")
-    print(f"{'us/token':>9} {'launches':>8} {'us/launch':>9}  kernel")
+    print(f"{'us/token':>9} {'launches':>8} {'us/launch':>9}  kernel or copy")
     for k in s["kernels"][:a.top]:
         print(f"{k['us_per_token']:>9.1f} {k['launches_per_token']:>8.1f} "
               f"{k['us_per_token'] / max(k['launches_per_token'], 1e-9):>9.2f}  {k['name'][:110]}")

@@ -6,10 +6,11 @@
 # routing replayed from the balanced trace, once plain and once traced; then, when the peer is there, llama-bench
 # -ngl 99 -ncmoe 0 -p 0 -n 64 traced the same way. bench/profile/timeline.py summarises each trace.
 #
-#   OUT=dir [BUDGETS="32"] [TRACE=traces/topo-b-test.pstrace] [PEER_WAIT=s] [OPS_TEST=op,op] \
+#   OUT=dir [BUDGETS="32"] [TRACE=traces/topo-b-test.pstrace] [PEER_WAIT=s] [OPS_TEST=op,op] [OPS_PERF=0|1] \
 #       bash scripts/device/profile_decode.sh
 #
 # OPS_TEST: the ops whose CUDA-against-CPU tests run first (test-backend-ops test -o; default the products).
+# OPS_PERF=0 leaves out the op timings (test-backend-ops perf, about 30 s).
 #
 # The peer: common.sh's setup_peer (carried binaries, else .carry/peer/build.sh in the background with
 # PEER_PACK=$OUT/peer-bin, so the binaries come back to be carried next time). Carry .carry/debs, .carry/whl-gguf
@@ -54,8 +55,10 @@ traced() {  # traced NAME cmd...: runs cmd under the tracer, summarises into $OU
 # The op tests of the products first (CUDA against the CPU): a timeline of wrong kernels is worth nothing.
 run_bin env PRESCOPE_SYNC_DEBUG=1 timeout 200 build-gpu/bin/test-backend-ops test -o "$OPS_TEST" > "$OUT/ops-test.log" 2>&1
 say "op tests ($OPS_TEST): exit $?, $(tail -1 "$OUT/ops-test.log")"
-run_bin timeout 200 build-gpu/bin/test-backend-ops perf --json "$OUT/ops-perf.jsonl" > "$OUT/ops-perf.log" 2>&1
-say "op perf: exit $?, $(grep -c . "$OUT/ops-perf.jsonl" 2> /dev/null || echo 0) rows ($((SECONDS - T0)) s)"
+if [ "${OPS_PERF:-1}" = 1 ]; then
+    run_bin timeout 200 build-gpu/bin/test-backend-ops perf --json "$OUT/ops-perf.jsonl" > "$OUT/ops-perf.log" 2>&1
+    say "op perf: exit $?, $(grep -c . "$OUT/ops-perf.jsonl" 2> /dev/null || echo 0) rows ($((SECONDS - T0)) s)"
+fi
 
 wait $MODEL_PID
 [ -f "$MODEL" ] || { say "FAIL: no model (model.log)"; exit 1; }

@@ -835,22 +835,6 @@ void GpuContext::moe_block(int64_t il, int64_t n) {
         spec.select_bias = l.exp_probs_b;
         auto *ids = reinterpret_cast<int32_t *>(routing_dev_ + b.ids);
         auto *weights = reinterpret_cast<float *>(routing_dev_ + b.weights);
-        if (l.gate_inp.type == DType::F32 && n <= cuda::kMoeRouterMaxTokens) {
-            // Norm, router and top-k in one launch, the same numbers as the three calls below (decision 0143).
-            cuda::MoeRouterArgs a;
-            a.x = x_, a.norm = l.ffn_norm, a.eps = hp.rms_eps, a.h = h;
-            a.w = static_cast<const float *>(l.gate_inp.data), a.logits = router_logits_;
-            a.ids = ids, a.weights = weights, a.counter = router_counter_;
-            a.n_tok = n, a.n_embd = hp.n_embd, a.n_expert = int32_t(hp.n_expert), a.k = int32_t(k);
-            cuda::moe_router(a, spec, stream());
-        } else {
-            cuda::rms_norm(x_, l.ffn_norm, n, hp.n_embd, hp.rms_eps, h, stream());
-            matmul(l.gate_inp, h, n, router_logits_);
-            cuda::router_topk(router_logits_, n, hp.n_expert, k, spec, nullptr, ids, weights, stream());
-        }
-        if (hp.shared_expert_gate) {
-            matmul(l.gate_inp_shexp, h, n, reinterpret_cast<float *>(routing_dev_ + b.shared_gate));
-        }
         // The one device-to-host copy of the layer: routing, router input, shared gate; a decode-sized pass's
         // goes to the layer's own block, where it may wait to be read (below). Then the device runs the routed
         // experts it holds (issue 14), resolved from the routing it has (the router's or the replayed trace's),
@@ -859,8 +843,33 @@ void GpuContext::moe_block(int64_t il, int64_t n) {
         const bool own_block = step_routing_bytes_ > 0 && n <= device_hits_tokens_;
         host_block = own_block ? step_routing_host_ + size_t(il) * step_routing_bytes_ : routing_host_;
         const Event copied = own_block ? step_ready_[size_t(il)] : routing_ready_;
-        backend_->copy_d2h_async(host_block, routing_dev_, b.bytes, compute_);
-        backend_->event_record(copied, compute_);
+        // The one-launch router (norm, router, top-k; decision 0143) goes to the MoE device, which fuses the
+        // layer's slot resolution into it when it runs the layer's resident experts (then the copy follows).
+        const bool one_launch = l.gate_inp.type == DType::F32 && n <= cuda::kMoeRouterMaxTokens;
+        const bool handed_over = one_launch && !hp.shared_expert_gate;
+        if (one_launch) {
+            cuda::MoeRouterArgs a;
+            a.x = x_, a.norm = l.ffn_norm, a.eps = hp.rms_eps, a.h = h;
+            a.w = static_cast<const float *>(l.gate_inp.data), a.logits = router_logits_;
+            a.ids = ids, a.weights = weights, a.counter = router_counter_;
+            a.n_tok = n, a.n_embd = hp.n_embd, a.n_expert = int32_t(hp.n_expert), a.k = int32_t(k);
+            if (handed_over) {
+                moe_device_->defer_router({a, spec, host_block, routing_dev_, b.bytes, copied});
+            } else {
+                cuda::moe_router(a, spec, stream());
+            }
+        } else {
+            cuda::rms_norm(x_, l.ffn_norm, n, hp.n_embd, hp.rms_eps, h, stream());
+            matmul(l.gate_inp, h, n, router_logits_);
+            cuda::router_topk(router_logits_, n, hp.n_expert, k, spec, nullptr, ids, weights, stream());
+        }
+        if (!handed_over) {
+            if (hp.shared_expert_gate) {
+                matmul(l.gate_inp_shexp, h, n, reinterpret_cast<float *>(routing_dev_ + b.shared_gate));
+            }
+            backend_->copy_d2h_async(host_block, routing_dev_, b.bytes, compute_);
+            backend_->event_record(copied, compute_);
+        }
         const bool replayed = replay_on_device(n);
         moe_device_->set_layer(
             h, replayed ? tok_dev_ + replay_ids(il, n) : reinterpret_cast<const int32_t *>(routing_dev_ + b.ids),
@@ -869,6 +878,7 @@ void GpuContext::moe_block(int64_t il, int64_t n) {
             x_, x_);  // the combine adds the MoE output to the residual stream in place
         const DeviceLaunch launched =
             routing_override ? DeviceLaunch::NONE : moe_->launch_device(int32_t(il), n, own_block);
+        moe_device_->flush_router();  // no device launch took it: the router and its copy alone
         if (launched == DeviceLaunch::LAYER) {
             device_steps_.emplace_back(int32_t(il), n);
             if (!capturing_) account_device_steps(false);  // those already copied, while the device works

@@ -210,6 +210,26 @@ void CudaMoeDevice::shared_expert(int32_t layer, int64_t n_tok, int64_t row0) {
     matmul(l.down, sh_gate_, n_tok, pairs_ + row0 * shape_.n_embd);
 }
 
+void CudaMoeDevice::defer_router(const RouterLaunch &r) {
+    // One still held was left by an error between its hand-over and the layer's launches: dropped with that pass.
+    PRESCOPE_ASSERT(r.copy_dst && r.copy_src && r.copied);
+    router_ = r;
+    router_held_ = true;
+}
+
+void CudaMoeDevice::flush_router() {
+    if (router_held_) launch_router(nullptr, {}, {});
+}
+
+void CudaMoeDevice::launch_router(const cuda::DeviceHitsArgs *resolve, std::span<const int32_t> index,
+                                  std::span<const void *const> data) {
+    PRESCOPE_ASSERT(router_held_ && index.size() == data.size());
+    router_held_ = false;
+    cuda::moe_router(router_.args, router_.spec, stream(), resolve, index.data(), data.data(), int64_t(index.size()));
+    backend_.copy_d2h_async(router_.copy_dst, router_.copy_src, router_.copy_bytes, compute_);
+    backend_.event_record(router_.copied, compute_);
+}
+
 void CudaMoeDevice::launch_device_hits(int32_t layer, int64_t n_tok, std::span<const int32_t> index,
                                       std::span<const void *const> data) {
     resolve_and_run(layer, n_tok, index, data, false);
@@ -253,7 +273,11 @@ void CudaMoeDevice::resolve_and_run(int32_t layer, int64_t n_tok, std::span<cons
         a.weights = step_weights_dev_;
         a.k_comb = shape_.top_k + (shape_.n_ff_shexp > 0);
     }
-    cuda::resolve_device_hits(a, index.data(), data.data(), int64_t(index.size()), st);
+    if (router_held_) {
+        launch_router(&a, index, data);  // one launch: the router, then the resolution by its last block
+    } else {
+        cuda::resolve_device_hits(a, index.data(), data.data(), int64_t(index.size()), st);
+    }
     if (n_tok == 0) return;
 
     // The grouped products with the groups known to the device only: a GEMV block per group and row block, the

@@ -7,6 +7,7 @@
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/cuda-backend.h"
 #include "backend/cuda/matmul.cuh"
+#include "backend/cuda/moe.cuh"
 #include "offload/expert-store.h"
 #include "runtime/hybrid-moe.h"
 
@@ -66,6 +67,22 @@ class CudaMoeDevice final : public MoeDevice {
         out_dev_ = out_dev;
         residual_dev_ = residual_dev;
     }
+    /// A decode-sized layer's router launch (cuda::moe_router) and the routing copy that must follow it, handed
+    /// over by GpuContext so that the layer's slot resolution runs in the router's own launch (issue 14).
+    struct RouterLaunch {
+        cuda::MoeRouterArgs args;
+        cuda::RouterSpec spec;
+        void *copy_dst = nullptr;        // host: the routing block
+        const void *copy_src = nullptr;  // device
+        size_t copy_bytes = 0;
+        Event copied = nullptr;          // recorded after the copy
+    };
+    /// Holds r until the next launch_device_hits / launch_device_layer, which queues the router with its
+    /// resolution fused in, then the copy, then the experts; or until flush_router. One at a time: a
+    /// later one replaces it.
+    void defer_router(const RouterLaunch &r);
+    /// Queues a deferred router that no device launch took (and its copy); nothing when none is held.
+    void flush_router();
     uint64_t device_bytes() const { return device_bytes_; }
     uint64_t host_bytes() const { return host_bytes_; }
     bool host_pinned() const { return pinned_ != nullptr; }
@@ -99,9 +116,14 @@ class CudaMoeDevice final : public MoeDevice {
     /// same rows of gate_ / up_. Async on the compute stream.
     void expert_ffn(const ExpertLayout &x, cuda::ExpertMatmul g, const ExpertLists &w, int64_t pair0, int64_t n_pairs);
     cudaStream_t stream() const { return CudaBackend::cuda_stream(compute_); }
+    /// The deferred router with `resolve` fused in (nullptr: alone), then its routing copy.
+    void launch_router(const cuda::DeviceHitsArgs *resolve, std::span<const int32_t> index,
+                       std::span<const void *const> data);
 
     CudaBackend &backend_;
     Stream compute_;
+    RouterLaunch router_;         // defer_router's, while router_held_
+    bool router_held_ = false;
     const ExpertStore &store_;
     Shape shape_;
     std::vector<GpuSharedExpert> shared_;  // [n_layers]

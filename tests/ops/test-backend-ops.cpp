@@ -1097,6 +1097,99 @@ struct MoeRouterCase : Case {
     double bytes() const override { return double(w.size() * 4 + x.size() * 8); }
 };
 
+/// moe_router with the device-resolved slot table (issue 14): the router's own routing resolved into the groups,
+/// pairs and (whole) combine arrays of resolve_device_hits against a CPU listing of the same layout; `resident`
+/// experts (the first ones of a fixed shuffle) get table entries through updates, so that the resolution runs in the
+/// router's launch (at most 64 updates) or after it (more).
+struct MoeRouterResolveCase : MoeRouterCase {
+    int64_t resident;
+    bool whole;
+    std::vector<int32_t> index;
+    std::vector<const void *> data;
+    DevBuf dtable, dptrs, doffsets, drows, dpair_ids, dcomb_w;
+    MoeRouterResolveCase(int64_t nt, int64_t ne_, int64_t nexp, int64_t kk, cpu::RouterSpec sp, int64_t res, bool wh)
+        : MoeRouterCase(nt, ne_, nexp, kk, sp), resident(res), whole(wh) {}
+    std::string op() const override { return "moe_router_resolve"; }
+    std::string vars() const override {
+        return MoeRouterCase::vars() + strf(",resident=%lld,whole=%d", (long long)resident, int(whole));
+    }
+    static const uint8_t *slot(int64_t e) { return reinterpret_cast<const uint8_t *>(uintptr_t(0x100000) * (e + 1)); }
+    void init(Rng &rng) override {
+        MoeRouterCase::init(rng);
+        std::vector<int32_t> order(static_cast<size_t>(n_expert));
+        for (int64_t e = 0; e < n_expert; ++e) order[size_t(e)] = int32_t(e);
+        for (int64_t i = n_expert - 1; i > 0; --i) std::swap(order[size_t(i)], order[size_t(rng.next() % uint32_t(i + 1))]);
+        index.clear(), data.clear();
+        for (int64_t i = 0; i < resident; ++i) {  // layer 1 of a two-layer table
+            index.push_back(int32_t(n_expert + order[size_t(i)]));
+            data.push_back(slot(order[size_t(i)]));
+        }
+        dtable = DevBuf(std::vector<uint64_t>(size_t(2 * n_expert), 0));
+        dptrs = DevBuf(size_t(3 * n_expert) * 8), doffsets = DevBuf(size_t(n_expert + 1) * 4);
+        drows = DevBuf(size_t(n_tok * k) * 4), dpair_ids = DevBuf(size_t(n_tok * k) * 4), dcomb_w = DevBuf(size_t(n_tok * k) * 4);
+    }
+    void poison() override {
+        MoeRouterCase::poison();
+        for (DevBuf *b : {&dptrs, &doffsets, &drows, &dpair_ids, &dcomb_w}) b->poison();
+    }
+    void run() override {
+        cu::MoeRouterArgs a;
+        a.x = dx.as<float>(), a.norm = dnorm.as<float>(), a.eps = 1e-6f, a.h = dh.as<float>(), a.w = dw.as<float>();
+        a.logits = dlogits.as<float>(), a.ids = dids.as<int32_t>(), a.weights = dwts.as<float>();
+        a.counter = dcounter.as<unsigned>();
+        a.n_tok = n_tok, a.n_embd = n_embd, a.n_expert = int32_t(n_expert), a.k = int32_t(k);
+        cu::DeviceHitsArgs r;
+        r.table = dtable.as<const void *>(), r.layer = 1, r.n_expert = int32_t(n_expert), r.ids = dids.as<int32_t>();
+        r.n_tok = n_tok, r.k = k, r.up_offset = 16, r.down_offset = 32;
+        auto **ptrs = dptrs.as<const void *>();
+        r.gate_w = ptrs, r.up_w = ptrs + n_expert, r.down_w = ptrs + 2 * n_expert;
+        r.offsets = doffsets.as<int32_t>(), r.rows = drows.as<int32_t>();
+        if (whole) {
+            r.weights_in = dwts.as<float>(), r.pair_ids = dpair_ids.as<int32_t>(), r.weights = dcomb_w.as<float>();
+            r.k_comb = k;
+        }
+        cu::moe_router(a, spec, g_stream, &r, index.data(), data.data(), int64_t(index.size()));
+    }
+    std::vector<Check> compare() override {
+        std::vector<Check> c = MoeRouterCase::compare();  // runs it twice: the updates apply again, unchanged
+        // The layout on the CPU: resident routed experts ascending, each one's pairs in token order.
+        std::vector<uint8_t> held(size_t(n_expert), 0);
+        for (int32_t i : index) held[size_t(i - n_expert)] = 1;
+        const int64_t n_pairs = n_tok * k, n_groups = std::min(n_expert, n_pairs);
+        std::vector<uint64_t> ptrs(size_t(3 * n_expert), 0);
+        std::vector<int32_t> offsets(size_t(n_expert + 1), -1), rows(size_t(n_pairs), 0), pair_ids(size_t(n_pairs), -1);
+        int32_t g = 0, pair = 0;
+        for (int64_t e = 0; e < n_expert; ++e) {
+            if (!held[size_t(e)] || std::find(ids_ref.begin(), ids_ref.end(), int32_t(e)) == ids_ref.end()) continue;
+            ptrs[size_t(g)] = uint64_t(uintptr_t(slot(e)));
+            ptrs[size_t(n_expert + g)] = uint64_t(uintptr_t(slot(e) + 16));
+            ptrs[size_t(2 * n_expert + g)] = uint64_t(uintptr_t(slot(e) + 32));
+            offsets[size_t(g++)] = pair;
+            for (int64_t p = 0; p < n_pairs; ++p) {
+                if (ids_ref[size_t(p)] != e) continue;
+                pair_ids[size_t(p)] = pair;
+                rows[size_t(pair++)] = int32_t(p / k);
+            }
+        }
+        for (int64_t q = g; q <= n_groups; ++q) offsets[size_t(q)] = pair;
+        const std::vector<uint64_t> got_ptrs = dptrs.download<uint64_t>();
+        const std::vector<int32_t> got_offsets = doffsets.download<int32_t>();
+        std::vector<uint64_t> ptrs_used(size_t(3 * n_expert), 0);  // entries past the groups are not written
+        std::vector<int32_t> offsets_used(size_t(n_expert + 1), -1);
+        for (int64_t part = 0; part < 3; ++part)
+            for (int64_t q = 0; q < g; ++q) ptrs_used[size_t(part * n_expert + q)] = got_ptrs[size_t(part * n_expert + q)];
+        for (int64_t q = 0; q <= n_groups; ++q) offsets_used[size_t(q)] = got_offsets[size_t(q)];
+        c.push_back(exact("slot pointers", ptrs_used, ptrs));
+        c.push_back(exact("offsets", offsets_used, offsets));
+        c.push_back(exact("rows", drows.download<int32_t>(), rows));
+        if (whole) {
+            c.push_back(exact("pair_ids", dpair_ids.download<int32_t>(), pair_ids));
+            c.push_back(exact("combine weights", dcomb_w.download<float>(), dwts.download<float>()));
+        }
+        return c;
+    }
+};
+
 /// Elementwise ops: swiglu, add, scale_add, add_bias (one struct, the op picked by name).
 struct EltCase : Case {
     std::string name;
@@ -1497,6 +1590,11 @@ CaseList test_cases() {
         add<MoeRouterCase>(l, 1, 4096, 8, 2, renorm);     // Mixtral: one block
         add<MoeRouterCase>(l, 3, 256, 32, 4, mixtral);    // demo-sized, several tokens
         add<MoeRouterCase>(l, 8, 512, 60, 4, topk_softmax);
+        // With the slot resolution: in the router's launch (<= 64 updates), or after it (more).
+        add<MoeRouterResolveCase>(l, 1, 2048, 128, 8, renorm, 64, false);  // Qwen3 decode, half the experts held
+        add<MoeRouterResolveCase>(l, 1, 2048, 128, 8, renorm, 128, true);  // every expert: a whole step, 2 launches
+        add<MoeRouterResolveCase>(l, 3, 256, 32, 4, mixtral, 32, true);    // several tokens, a block of 128
+        add<MoeRouterResolveCase>(l, 8, 512, 60, 4, topk_softmax, 20, false);
     }
     {
         cpu::RouterSpec v3;  // DeepSeek-V3: sigmoid, selection bias, 8 groups keep 4, renorm, scale 2.5

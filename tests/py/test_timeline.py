@@ -31,3 +31,8 @@ def test_idle_time_is_split_by_the_records_around_each_gap(tmp_path):
     idle = {(g["before"], g["after"]): g["us_per_token"] for g in s["idle"]}
     assert idle == pytest.approx({("token start", "kA"): 0.8, ("kA", "kB"): 0.5, ("kB", "memcpy DtoH 100000 B"): 0.1})
     assert sum(idle.values()) == pytest.approx(s["mean"]["idle_us"])
+    # Copies are listed beside the kernels (per direction and size); only kernels count as launches.
+    us = {k["name"]: k["us_per_token"] for k in s["kernels"]}
+    assert us == pytest.approx({"kA": 1.0, "kB": 0.5, "memcpy DtoH 64 B": 0.1, "memcpy DtoH 100000 B": 0.1})
+    assert all(k["launches_per_token"] == pytest.approx(1) for k in s["kernels"])
+    assert s["mean"]["launches"] == pytest.approx(2)

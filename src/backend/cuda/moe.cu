@@ -185,15 +185,108 @@ __global__ void __launch_bounds__(kRouterWarps *kWarp)
     route_token<L>(logits + t * n_expert, t, n_expert, k, spec, probs, ids, weights);
 }
 
+// ---------------------------------------------------------------------------------------------
+// device-resolved hits: one block of any size; thread i owns experts [i * C, (i + 1) * C), C = ceil(n_expert /
+// blockDim.x), and the block scans their pair and group counts (Hillis-Steele) to number groups and pairs in
+// ascending expert id.
+
+constexpr int kResolveThreads = 256;       // resolve_device_hits_kernel's block
+constexpr int kResolveMaxPerThread = 4;    // experts per thread: 1024 experts in a block of 256
+constexpr int kUpdatesPerLaunch = 64;
+
+struct UpdateBatch {
+    int32_t n;
+    int32_t index[kUpdatesPerLaunch];
+    const void *data[kUpdatesPerLaunch];
+};
+
+/// Applies u to a.table, then resolves a (resolve_device_hits' contract) with the whole block. s_pairs, s_groups:
+/// shared memory of blockDim.x ints each. Requires n_expert <= blockDim.x * kResolveMaxPerThread. Every thread
+/// of the block must call it.
+__device__ void resolve_in_block(const DeviceHitsArgs &a, const UpdateBatch &u, int32_t *s_pairs, int32_t *s_groups) {
+    const int tid = int(threadIdx.x), n_threads = int(blockDim.x);
+    for (int i = tid; i < u.n; i += n_threads) a.table[u.index[i]] = u.data[i];
+    __syncthreads();  // the block's global writes are visible to the block from here
+    const int n_pairs = int(a.n_tok * a.k);
+    if (n_pairs == 0) return;  // uniform
+    const void *const *row = a.table + a.layer * a.n_expert;
+    const int per = (a.n_expert + n_threads - 1) / n_threads, e0 = tid * per;
+    int count[kResolveMaxPerThread];
+    int my_pairs = 0, my_groups = 0;
+    for (int i = 0; i < per; ++i) {
+        const int e = e0 + i;
+        count[i] = 0;
+        if (e >= a.n_expert || row[e] == nullptr) continue;
+        for (int p = 0; p < n_pairs; ++p) count[i] += a.ids[p] == e;
+        my_pairs += count[i];
+        my_groups += count[i] > 0;
+    }
+    s_pairs[tid] = my_pairs;
+    s_groups[tid] = my_groups;
+    __syncthreads();
+    for (int d = 1; d < n_threads; d *= 2) {
+        const int vp = tid >= d ? s_pairs[tid - d] : 0, vg = tid >= d ? s_groups[tid - d] : 0;
+        __syncthreads();
+        s_pairs[tid] += vp;
+        s_groups[tid] += vg;
+        __syncthreads();
+    }
+    int pair = s_pairs[tid] - my_pairs, group = s_groups[tid] - my_groups;
+    const int total_pairs = s_pairs[n_threads - 1], total_groups = s_groups[n_threads - 1];
+    for (int i = 0; i < per; ++i) {
+        if (count[i] == 0) continue;
+        const int e = e0 + i;
+        const auto *w = static_cast<const uint8_t *>(row[e]);
+        a.gate_w[group] = w;
+        a.up_w[group] = w + a.up_offset;
+        a.down_w[group] = w + a.down_offset;
+        a.offsets[group++] = pair;
+        for (int p = 0; p < n_pairs; ++p) {
+            if (a.ids[p] != e) continue;
+            const int t = p / int(a.k), j = p - t * int(a.k);
+            if (a.pair_ids) {
+                a.pair_ids[t * a.k_comb + j] = pair;
+                a.weights[t * a.k_comb + j] = a.weights_in[p];
+            }
+            a.rows[pair++] = int32_t(t);
+        }
+    }
+    if (a.pair_ids && a.k_comb > a.k) {
+        for (int t = tid; t < a.n_tok; t += n_threads) {
+            a.pair_ids[t * a.k_comb + a.k] = n_pairs + t;
+            a.weights[t * a.k_comb + a.k] = 1.0f;
+        }
+    }
+    const int n_groups = n_pairs < a.n_expert ? n_pairs : a.n_expert;
+    for (int g = total_groups + tid; g <= n_groups; g += n_threads) a.offsets[g] = total_pairs;
+    for (int q = total_pairs + tid; q < n_pairs; q += n_threads) a.rows[q] = 0;
+}
+
+__global__ void __launch_bounds__(kResolveThreads) resolve_device_hits_kernel(const DeviceHitsArgs a, const UpdateBatch u) {
+    __shared__ int32_t s_pairs[kResolveThreads], s_groups[kResolveThreads];
+    resolve_in_block(a, u, s_pairs, s_groups);
+}
+
+/// The slot resolution moe_router's last block runs after the routing (on = false: none).
+struct RouterResolve {
+    bool on;
+    DeviceHitsArgs a;
+    UpdateBatch u;
+};
+
+constexpr int kMaxBlockThreads = 1024;
+
 // moe_router: block (b, t) of row_threads(n_embd) threads normalizes token t's row (rms_scale, as rms_norm_kernel;
 // block (0, t) writes it to h) and computes the logits of experts b * W .. b * W + W - 1, W = its warps, one warp
 // per expert with the GEMV kernel's F32 chains (lane l: chunks of 8 at l, l + 32, ..., then warp_sum), so h and
 // the logits equal rms_norm + matmul bit for bit. The last block to finish (a ticket counter, reset by it for the
 // next launch) routes every token, as router_topk.
 template <int L>
-__global__ void __launch_bounds__(1024) moe_router_kernel(const MoeRouterArgs a, const RouterSpec spec) {
+__global__ void __launch_bounds__(kMaxBlockThreads)
+    moe_router_kernel(const MoeRouterArgs a, const RouterSpec spec, const RouterResolve r) {
     __shared__ float scratch[kWarp];
     __shared__ bool last;
+    __shared__ int32_t s_pairs[kMaxBlockThreads], s_groups[kMaxBlockThreads];
     const int64_t t = blockIdx.y, n = a.n_embd;
     const float *xr = a.x + t * n;
     const float scale = rms_scale(xr, n, a.eps, scratch);
@@ -227,6 +320,10 @@ __global__ void __launch_bounds__(1024) moe_router_kernel(const MoeRouterArgs a,
     __threadfence();
     for (int64_t tt = warp; tt < a.n_tok; tt += n_warps)
         route_token<L>(a.logits + tt * a.n_expert, tt, a.n_expert, a.k, spec, nullptr, a.ids, a.weights);
+    if (r.on) {
+        __syncthreads();  // the ids and weights just written are visible to the block
+        resolve_in_block(r.a, r.u, s_pairs, s_groups);
+    }
     if (threadIdx.x == 0) *a.counter = 0;
 }
 
@@ -252,97 +349,38 @@ __global__ void __launch_bounds__(kCombineThreads)
     }
 }
 
-// ---------------------------------------------------------------------------------------------
-// device-resolved hits: one block; thread i owns experts [i * C, (i + 1) * C), C = ceil(n_expert / 256), and the
-// block scans their pair and group counts (Hillis-Steele) to number groups and pairs in ascending expert id.
+} // namespace
 
-constexpr int kResolveThreads = 256;
-constexpr int kResolveMaxPerThread = 4;  // 1024 experts
-constexpr int kUpdatesPerLaunch = 64;
+namespace {
 
-struct UpdateBatch {
-    int32_t n;
-    int32_t index[kUpdatesPerLaunch];
-    const void *data[kUpdatesPerLaunch];
-};
+void check_resolve(const DeviceHitsArgs &args, int64_t n_updates) {
+    CUDA_ASSERT(args.n_expert >= 1 && args.n_expert <= kResolveThreads * kResolveMaxPerThread);
+    CUDA_ASSERT(args.n_tok >= 0 && args.k >= 1 && args.n_tok * args.k < INT_MAX && n_updates >= 0);
+    CUDA_ASSERT(!args.pair_ids || (args.weights_in && args.weights && (args.k_comb == args.k || args.k_comb == args.k + 1)));
+}
 
-__global__ void __launch_bounds__(kResolveThreads) resolve_device_hits_kernel(const DeviceHitsArgs a, const UpdateBatch u) {
-    __shared__ int32_t s_pairs[kResolveThreads], s_groups[kResolveThreads];
-    const int tid = int(threadIdx.x);
-    for (int i = tid; i < u.n; i += kResolveThreads) a.table[u.index[i]] = u.data[i];
-    __syncthreads();  // the block's global writes are visible to the block from here
-    const int n_pairs = int(a.n_tok * a.k);
-    if (n_pairs == 0) return;  // uniform
-    const void *const *row = a.table + a.layer * a.n_expert;
-    const int per = (a.n_expert + kResolveThreads - 1) / kResolveThreads, e0 = tid * per;
-    int count[kResolveMaxPerThread];
-    int my_pairs = 0, my_groups = 0;
-    for (int i = 0; i < per; ++i) {
-        const int e = e0 + i;
-        count[i] = 0;
-        if (e >= a.n_expert || row[e] == nullptr) continue;
-        for (int p = 0; p < n_pairs; ++p) count[i] += a.ids[p] == e;
-        my_pairs += count[i];
-        my_groups += count[i] > 0;
+/// Updates [begin, begin + n) of the host arrays as one launch's batch (n <= kUpdatesPerLaunch).
+UpdateBatch update_batch(const int32_t *index, const void *const *data, int64_t begin, int64_t n) {
+    UpdateBatch u{};
+    u.n = int32_t(n);
+    for (int32_t i = 0; i < u.n; ++i) {
+        u.index[i] = index[begin + i];
+        u.data[i] = data[begin + i];
     }
-    s_pairs[tid] = my_pairs;
-    s_groups[tid] = my_groups;
-    __syncthreads();
-    for (int d = 1; d < kResolveThreads; d *= 2) {
-        const int vp = tid >= d ? s_pairs[tid - d] : 0, vg = tid >= d ? s_groups[tid - d] : 0;
-        __syncthreads();
-        s_pairs[tid] += vp;
-        s_groups[tid] += vg;
-        __syncthreads();
-    }
-    int pair = s_pairs[tid] - my_pairs, group = s_groups[tid] - my_groups;
-    const int total_pairs = s_pairs[kResolveThreads - 1], total_groups = s_groups[kResolveThreads - 1];
-    for (int i = 0; i < per; ++i) {
-        if (count[i] == 0) continue;
-        const int e = e0 + i;
-        const auto *w = static_cast<const uint8_t *>(row[e]);
-        a.gate_w[group] = w;
-        a.up_w[group] = w + a.up_offset;
-        a.down_w[group] = w + a.down_offset;
-        a.offsets[group++] = pair;
-        for (int p = 0; p < n_pairs; ++p) {
-            if (a.ids[p] != e) continue;
-            const int t = p / int(a.k), j = p - t * int(a.k);
-            if (a.pair_ids) {
-                a.pair_ids[t * a.k_comb + j] = pair;
-                a.weights[t * a.k_comb + j] = a.weights_in[p];
-            }
-            a.rows[pair++] = int32_t(t);
-        }
-    }
-    if (a.pair_ids && a.k_comb > a.k) {
-        for (int t = tid; t < a.n_tok; t += kResolveThreads) {
-            a.pair_ids[t * a.k_comb + a.k] = n_pairs + t;
-            a.weights[t * a.k_comb + a.k] = 1.0f;
-        }
-    }
-    const int n_groups = n_pairs < a.n_expert ? n_pairs : a.n_expert;
-    for (int g = total_groups + tid; g <= n_groups; g += kResolveThreads) a.offsets[g] = total_pairs;
-    for (int q = total_pairs + tid; q < n_pairs; q += kResolveThreads) a.rows[q] = 0;
+    return u;
 }
 
 } // namespace
 
 void resolve_device_hits(const DeviceHitsArgs &args, const int32_t *index, const void *const *data, int64_t n_updates,
                          cudaStream_t stream) {
-    CUDA_ASSERT(args.n_expert >= 1 && args.n_expert <= kResolveThreads * kResolveMaxPerThread);
-    CUDA_ASSERT(args.n_tok >= 0 && args.k >= 1 && args.n_tok * args.k < INT_MAX && n_updates >= 0);
-    CUDA_ASSERT(!args.pair_ids || (args.weights_in && args.weights && (args.k_comb == args.k || args.k_comb == args.k + 1)));
+    check_resolve(args, n_updates);
     // Every batch but the last only updates the table; the last one resolves too.
     int64_t done = 0;
     do {
-        UpdateBatch u{};
-        u.n = int32_t(n_updates - done < kUpdatesPerLaunch ? n_updates - done : kUpdatesPerLaunch);
-        for (int32_t i = 0; i < u.n; ++i) {
-            u.index[i] = index[done + i];
-            u.data[i] = data[done + i];
-        }
-        done += u.n;
+        const int64_t n = n_updates - done < kUpdatesPerLaunch ? n_updates - done : kUpdatesPerLaunch;
+        const UpdateBatch u = update_batch(index, data, done, n);
+        done += n;
         DeviceHitsArgs a = args;
         if (done < n_updates) a.n_tok = 0;
         resolve_device_hits_kernel<<<1, kResolveThreads, 0, stream>>>(a, u);
@@ -396,17 +434,28 @@ void router_topk(const float *logits, int64_t n_tok, int64_t n_expert, int64_t k
     launch_check("router_topk", stream);
 }
 
-void moe_router(const MoeRouterArgs &a, const RouterSpec &spec, cudaStream_t stream) {
+void moe_router(const MoeRouterArgs &a, const RouterSpec &spec, cudaStream_t stream, const DeviceHitsArgs *resolve,
+                const int32_t *index, const void *const *data, int64_t n_updates) {
     check_router(a.n_expert, a.k, spec);
     CUDA_ASSERT(a.n_tok >= 1 && a.n_tok <= kMoeRouterMaxTokens && a.n_embd > 0 && a.n_embd % kChunk == 0);
     CUDA_ASSERT(reinterpret_cast<uintptr_t>(a.w) % 16 == 0 && a.counter != nullptr);
     const int threads = row_threads(a.n_embd);  // rms_norm_kernel's block, for its scale bit for bit
+    RouterResolve r{};
+    if (resolve != nullptr) {
+        check_resolve(*resolve, n_updates);
+        r.on = n_updates <= kUpdatesPerLaunch && resolve->n_expert <= threads * kResolveMaxPerThread;
+        if (r.on) {
+            r.a = *resolve;
+            r.u = update_batch(index, data, 0, n_updates);
+        }
+    }
     const dim3 grid(unsigned(ceil_div(a.n_expert, threads / kWarp)), unsigned(a.n_tok));
     dispatch_slots(a.n_expert, [&](auto l) {
         constexpr int L = decltype(l)::value;
-        moe_router_kernel<L><<<grid, threads, 0, stream>>>(a, spec);
+        moe_router_kernel<L><<<grid, threads, 0, stream>>>(a, spec, r);
     });
     launch_check("moe_router", stream);
+    if (resolve != nullptr && !r.on) resolve_device_hits(*resolve, index, data, n_updates, stream);
 }
 
 namespace {

@@ -43,12 +43,6 @@ struct MoeRouterArgs {
 /// Most tokens moe_router takes (its last block routes them all).
 constexpr int64_t kMoeRouterMaxTokens = 8;
 
-/// h = rms_norm(x, norm, eps); logits = h W^T; ids, weights = router_topk(logits, spec): bit for bit those three
-/// calls (rms_norm; matmul's GEMV path, F32 weights; router_topk without probs). n_tok in
-/// [1, kMoeRouterMaxTokens], n_embd a multiple of 8, w 16-byte aligned; n_expert, k and spec as router_topk
-/// requires (else throws Error). Calls on one counter must not overlap (one stream). Asynchronous on `stream`.
-void moe_router(const MoeRouterArgs &args, const RouterSpec &spec, cudaStream_t stream);
-
 /// out[t] = sum_{j < k} weights[t][j] * y[pair_ids[t][j]] for t < n_tok, summed from 0 in ascending j (the
 /// top-k order the CPU executor sums in); with `residual` ([n_tok][n_embd], may be out itself), out[t] =
 /// residual[t] + that sum, rounded as cuda::add rounds it (the MoE output onto the residual stream).
@@ -97,5 +91,17 @@ struct DeviceHitsArgs {
 /// Asynchronous on `stream`; any number of updates (a launch per 64).
 void resolve_device_hits(const DeviceHitsArgs &args, const int32_t *index, const void *const *data, int64_t n_updates,
                          cudaStream_t stream);
+
+/// h = rms_norm(x, norm, eps); logits = h W^T; ids, weights = router_topk(logits, spec): bit for bit those three
+/// calls (rms_norm; matmul's GEMV path, F32 weights; router_topk without probs). n_tok in
+/// [1, kMoeRouterMaxTokens], n_embd a multiple of 8, w 16-byte aligned; n_expert, k and spec as router_topk
+/// requires (else throws Error). Calls on one counter must not overlap (one stream). Asynchronous on `stream`.
+/// With `resolve`, then resolve_device_hits(*resolve, index, data, n_updates) (its ids and weights_in may be the
+/// ones this call writes): in the router's own launch, by its last block, when the updates fit one batch (64) and
+/// n_expert <= 4 x the block (row_threads(n_embd)); else as resolve_device_hits' own launches after it. The
+/// results are the same either way; the fused form saves the launch and its place in the stream's chain (issue 14).
+void moe_router(const MoeRouterArgs &args, const RouterSpec &spec, cudaStream_t stream,
+                const DeviceHitsArgs *resolve = nullptr, const int32_t *index = nullptr,
+                const void *const *data = nullptr, int64_t n_updates = 0);
 
 } // namespace prescope::cuda

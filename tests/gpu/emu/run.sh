@@ -23,10 +23,13 @@ CXX=(g++ -std=c++20 -O1 -g -fopenmp -Wall -Wno-unknown-pragmas -Wno-unused-param
      -isystem "$CUDA_INC" -include "$EMU/cuda-emu.h" -include "$HERE/cuda-emu-runtime.h" -DPRESCOPE_USE_CUDA
      -DPRESCOPE_SOURCE_DIR="\"$SRC\"" -DSPDLOG_COMPILED_LIB -DSPDLOG_FMT_EXTERNAL -DSPDLOG_SHARED_LIB -DFMT_SHARED)
 objs=()
+# An object is rebuilt when its source or any header is newer (a changed struct in a header must not meet a stale
+# object: the layouts would disagree).
+NEWEST_HEADER=$(find src tests -name '*.h' -o -name '*.cuh' | xargs ls -t | head -1)
 compile() {
     local obj
     obj=$OUT/gen/$(basename "$1").o
-    if [ ! -f "$obj" ] || [ "$1" -nt "$obj" ] || [ "$HERE/cuda-emu-runtime.h" -nt "$obj" ]; then
+    if [ ! -f "$obj" ] || [ "$1" -nt "$obj" ] || [ "$NEWEST_HEADER" -nt "$obj" ]; then
         "${CXX[@]}" -c "$1" -o "$obj"
     fi
     objs+=("$obj")

@@ -18,10 +18,13 @@ mkdir -p "$OUT/gen"
 CXX=(g++ -std=c++20 -O1 -g -fopenmp -Wall -Wno-unknown-pragmas -Wno-unused-parameter -I"$EMU/include" -I"$SRC/src"
      -include "$EMU/cuda-emu.h")
 objs=()
+# An object is rebuilt when its source or any header is newer (a changed struct in a header must not meet a stale
+# object: the layouts would disagree).
+NEWEST_HEADER=$(find src tests -name '*.h' -o -name '*.cuh' | xargs ls -t | head -1)
 compile() {
     local obj
     obj=$OUT/gen/$(basename "$1").o
-    if [ ! -f "$obj" ] || [ "$1" -nt "$obj" ] || [ "$EMU/cuda-emu.h" -nt "$obj" ]; then "${CXX[@]}" -c "$1" -o "$obj"; fi
+    if [ ! -f "$obj" ] || [ "$1" -nt "$obj" ] || [ "$NEWEST_HEADER" -nt "$obj" ]; then "${CXX[@]}" -c "$1" -o "$obj"; fi
     objs+=("$obj")
 }
 for f in src/backend/cuda/*.cu; do
