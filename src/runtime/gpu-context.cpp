@@ -114,6 +114,9 @@ void GpuContext::init() {
     backend_ = std::make_unique<CudaBackend>(config.gpu_device);
     compute_ = backend_->stream_create();
     routing_ready_ = backend_->event_create();
+    routing_side_ = backend_->stream_create();
+    routing_fork_ = backend_->event_create();
+    routing_join_ = backend_->event_create();
     logits_ready_ = backend_->event_create();
     step_ready_.resize(size_t(hp.n_layer));
     for (Event &e : step_ready_) e = backend_->event_create();
@@ -403,6 +406,10 @@ void GpuContext::release() noexcept {
         if (arena_dev_) backend_->free(MemoryKind::DEVICE, arena_dev_);
         if (weights_dev_) backend_->free(MemoryKind::DEVICE, weights_dev_);
         if (routing_ready_) backend_->event_destroy(routing_ready_);
+        for (Event e : {routing_fork_, routing_join_}) {
+            if (e) backend_->event_destroy(e);
+        }
+        if (routing_side_) backend_->stream_destroy(routing_side_);
         if (logits_ready_) backend_->event_destroy(logits_ready_);
         for (Event e : step_ready_) backend_->event_destroy(e);
         if (compute_) backend_->stream_destroy(compute_);
@@ -668,6 +675,13 @@ void GpuContext::queue_layers(int64_t n, std::span<const SeqRun> runs, size_t n_
             moe_block(il, n);
         }
     }
+    join_routing_copy();  // a captured pass must join its forks before it ends
+}
+
+void GpuContext::join_routing_copy() {
+    if (!routing_join_pending_) return;
+    backend_->stream_wait_event(compute_, routing_join_);
+    routing_join_pending_ = false;
 }
 
 void GpuContext::attention_block(int64_t il, int64_t n, std::span<const SeqRun> runs) {
@@ -835,6 +849,7 @@ void GpuContext::moe_block(int64_t il, int64_t n) {
         spec.select_bias = l.exp_probs_b;
         auto *ids = reinterpret_cast<int32_t *>(routing_dev_ + b.ids);
         auto *weights = reinterpret_cast<float *>(routing_dev_ + b.weights);
+        join_routing_copy();  // the last layer's copy has read the block this router writes
         // The one device-to-host copy of the layer: routing, router input, shared gate; a decode-sized pass's
         // goes to the layer's own block, where it may wait to be read (below). Then the device runs the routed
         // experts it holds (issue 14), resolved from the routing it has (the router's or the replayed trace's),
@@ -845,7 +860,8 @@ void GpuContext::moe_block(int64_t il, int64_t n) {
         const Event copied = own_block ? step_ready_[size_t(il)] : routing_ready_;
         // The one-launch router (norm, router, top-k; decision 0143) goes to the MoE device, which fuses the
         // layer's slot resolution into it when it runs the layer's resident experts (then the copy follows).
-        const bool one_launch = l.gate_inp.type == DType::F32 && n <= cuda::kMoeRouterMaxTokens;
+        const bool one_launch =
+            l.gate_inp.type == DType::F32 && n <= cuda::kMoeRouterMaxTokens && hp.n_embd <= cuda::kMoeRouterMaxEmbd;
         const bool handed_over = one_launch && !hp.shared_expert_gate;
         if (one_launch) {
             cuda::MoeRouterArgs a;
@@ -854,7 +870,8 @@ void GpuContext::moe_block(int64_t il, int64_t n) {
             a.ids = ids, a.weights = weights, a.counter = router_counter_;
             a.n_tok = n, a.n_embd = hp.n_embd, a.n_expert = int32_t(hp.n_expert), a.k = int32_t(k);
             if (handed_over) {
-                moe_device_->defer_router({a, spec, host_block, routing_dev_, b.bytes, copied});
+                moe_device_->defer_router(
+                    {a, spec, {host_block, routing_dev_, b.bytes, routing_side_, routing_fork_, copied, routing_join_}});
             } else {
                 cuda::moe_router(a, spec, stream());
             }
@@ -867,9 +884,10 @@ void GpuContext::moe_block(int64_t il, int64_t n) {
             if (hp.shared_expert_gate) {
                 matmul(l.gate_inp_shexp, h, n, reinterpret_cast<float *>(routing_dev_ + b.shared_gate));
             }
-            backend_->copy_d2h_async(host_block, routing_dev_, b.bytes, compute_);
-            backend_->event_record(copied, compute_);
+            backend_->copy_d2h_forked(host_block, routing_dev_, b.bytes, compute_, routing_side_, routing_fork_, copied,
+                                      routing_join_);
         }
+        routing_join_pending_ = true;  // queued now, or with the router by the MoE device below
         const bool replayed = replay_on_device(n);
         moe_device_->set_layer(
             h, replayed ? tok_dev_ + replay_ids(il, n) : reinterpret_cast<const int32_t *>(routing_dev_ + b.ids),
@@ -885,7 +903,7 @@ void GpuContext::moe_block(int64_t il, int64_t n) {
             return;
         }
         PRESCOPE_ASSERT(!capturing_);  // graph_pass: every layer runs whole
-        moe_->mark_routing_copied(int32_t(il), compute_);
+        moe_->mark_routing_copied(int32_t(il), routing_side_);
         backend_->event_synchronize(copied);
     }
     account_device_steps(true);  // copied before this layer's routing: their accounting comes first

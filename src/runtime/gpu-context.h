@@ -113,6 +113,8 @@ class GpuContext final : public Engine {
     void mla_heads(int64_t il, int which, const DevMatrix &m, const float *x, int64_t n, float *y);
     void dense_ffn_block(int64_t il, int64_t n);
     void moe_block(int64_t il, int64_t n);
+    /// Makes the compute stream wait for the last routing copy, if one is pending.
+    void join_routing_copy();
     /// Queues the logits of pass rows [r0, r0 + m) of those in tok_dev_ (m <= kLogitRows) and their copy to
     /// logits_host_.
     void queue_head(int64_t r0, int64_t m);
@@ -134,6 +136,12 @@ class GpuContext final : public Engine {
     std::unique_ptr<CudaBackend> backend_;
     Stream compute_ = nullptr;
     Event routing_ready_ = nullptr;  // recorded after each layer's routing copy to the host
+    // The routing copies run on a side stream forked from compute_ after each router, off the chain of the layer's
+    // kernels (0148: in a replayed decode graph the copy node and the gaps around it cost ~12 us a layer); the next
+    // router waits for the copy (join_routing_copy: the device block is reused), and so does the end of a pass.
+    Stream routing_side_ = nullptr;
+    Event routing_fork_ = nullptr, routing_join_ = nullptr;
+    bool routing_join_pending_ = false;
     Event logits_ready_ = nullptr;
     std::vector<Event> step_ready_;  // [n_layer] recorded after a whole device step's routing copy
 

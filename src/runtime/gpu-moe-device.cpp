@@ -212,7 +212,7 @@ void CudaMoeDevice::shared_expert(int32_t layer, int64_t n_tok, int64_t row0) {
 
 void CudaMoeDevice::defer_router(const RouterLaunch &r) {
     // One still held was left by an error between its hand-over and the layer's launches: dropped with that pass.
-    PRESCOPE_ASSERT(r.copy_dst && r.copy_src && r.copied);
+    PRESCOPE_ASSERT(r.copy.dst && r.copy.src && r.copy.side && r.copy.fork && r.copy.done && r.copy.join);
     router_ = r;
     router_held_ = true;
 }
@@ -226,8 +226,8 @@ void CudaMoeDevice::launch_router(const cuda::DeviceHitsArgs *resolve, std::span
     PRESCOPE_ASSERT(router_held_ && index.size() == data.size());
     router_held_ = false;
     cuda::moe_router(router_.args, router_.spec, stream(), resolve, index.data(), data.data(), int64_t(index.size()));
-    backend_.copy_d2h_async(router_.copy_dst, router_.copy_src, router_.copy_bytes, compute_);
-    backend_.event_record(router_.copied, compute_);
+    const RoutingCopy &c = router_.copy;
+    backend_.copy_d2h_forked(c.dst, c.src, c.n_bytes, compute_, c.side, c.fork, c.done, c.join);
 }
 
 void CudaMoeDevice::launch_device_hits(int32_t layer, int64_t n_tok, std::span<const int32_t> index,

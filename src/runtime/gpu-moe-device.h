@@ -67,15 +67,20 @@ class CudaMoeDevice final : public MoeDevice {
         out_dev_ = out_dev;
         residual_dev_ = residual_dev;
     }
+    /// The routing copy that follows a router: CudaBackend::copy_d2h_forked's arguments after the compute stream.
+    struct RoutingCopy {
+        void *dst = nullptr;        // host: the routing block
+        const void *src = nullptr;  // device
+        size_t n_bytes = 0;
+        Stream side = nullptr;
+        Event fork = nullptr, done = nullptr, join = nullptr;
+    };
     /// A decode-sized layer's router launch (cuda::moe_router) and the routing copy that must follow it, handed
     /// over by GpuContext so that the layer's slot resolution runs in the router's own launch (issue 14).
     struct RouterLaunch {
         cuda::MoeRouterArgs args;
         cuda::RouterSpec spec;
-        void *copy_dst = nullptr;        // host: the routing block
-        const void *copy_src = nullptr;  // device
-        size_t copy_bytes = 0;
-        Event copied = nullptr;          // recorded after the copy
+        RoutingCopy copy;
     };
     /// Holds r until the next launch_device_hits / launch_device_layer, which queues the router with its
     /// resolution fused in, then the copy, then the experts; or until flush_router. One at a time: a

@@ -168,6 +168,16 @@ void CudaBackend::event_record(Event event, Stream stream) {
           "cudaEventRecordWithFlags");
 }
 
+void CudaBackend::copy_d2h_forked(void *dst, const void *src, size_t n_bytes, Stream from, Stream side, Event fork,
+                                  Event done, Event join) {
+    // Plain records for the fork and the join: in a capture they are dependencies, not external event nodes.
+    check(cudaEventRecord(cuda_event(fork), cuda_stream(from)), "cudaEventRecord(fork)");
+    check(cudaStreamWaitEvent(cuda_stream(side), cuda_event(fork), 0), "cudaStreamWaitEvent(fork)");
+    copy_d2h_async(dst, src, n_bytes, side);
+    event_record(done, side);
+    check(cudaEventRecord(cuda_event(join), cuda_stream(side)), "cudaEventRecord(join)");
+}
+
 void CudaBackend::stream_wait_event(Stream stream, Event event) {
     check(cudaStreamWaitEvent(cuda_stream(stream), cuda_event(event), 0), "cudaStreamWaitEvent");
 }

@@ -71,6 +71,12 @@ class CudaBackend final : public Backend {
     void event_synchronize(Event event) override;
     void stream_synchronize(Stream stream) override;
     double event_elapsed_us(Event start, Event end) override;
+    /// A device-to-host copy on `side` after the work queued so far on `from` (a fork, also inside a graph
+    /// capture of `from`), then `done` recorded on `side` for the host (as event_record: an external node in a
+    /// capture) and `join` for streams: a stream that waits for `join` (stream_wait_event) waits for the copy,
+    /// and a capture of `from` must do so before it ends. `fork` is scratch, reusable once this returns.
+    void copy_d2h_forked(void *dst, const void *src, size_t n_bytes, Stream from, Stream side, Event fork, Event done,
+                         Event join);
 
     /// The handles as the CUDA runtime knows them (for kernel launches on a backend stream).
     static cudaStream_t cuda_stream(Stream s) { return reinterpret_cast<cudaStream_t>(s); }

@@ -276,36 +276,54 @@ struct RouterResolve {
 
 constexpr int kMaxBlockThreads = 1024;
 
-// moe_router: block (b, t) of row_threads(n_embd) threads normalizes token t's row (rms_scale, as rms_norm_kernel;
-// block (0, t) writes it to h) and computes the logits of experts b * W .. b * W + W - 1, W = its warps, one warp
-// per expert with the GEMV kernel's F32 chains (lane l: chunks of 8 at l, l + 32, ..., then warp_sum), so h and
-// the logits equal rms_norm + matmul bit for bit. The last block to finish (a ticket counter, reset by it for the
-// next launch) routes every token, as router_topk.
+// moe_router: block (b, t) of row_threads(n_embd) threads normalizes token t's row into shared memory (rms_scale,
+// as rms_norm_kernel; block (0, t) also writes it to h) and computes the logits of experts b * W .. b * W + W - 1,
+// W = its warps, one warp per expert with the GEMV kernel's F32 chains (lane l: chunks of 8 at l, l + 32, ..., then
+// warp_sum), so h and the logits equal rms_norm + matmul bit for bit. A lane loads kRouterBatch chunks of its
+// expert's row before it multiplies them (the row is 8 KiB at n_embd 2048: one latency, not eight). The last block
+// to finish (a ticket counter, reset by it for the next launch) routes every token, as router_topk.
+constexpr int kRouterBatch = 4;
+
 template <int L>
 __global__ void __launch_bounds__(kMaxBlockThreads)
     moe_router_kernel(const MoeRouterArgs a, const RouterSpec spec, const RouterResolve r) {
+    extern __shared__ __align__(16) float hs[];  // [n_embd] token t's normalized row
     __shared__ float scratch[kWarp];
     __shared__ bool last;
     __shared__ int32_t s_pairs[kMaxBlockThreads], s_groups[kMaxBlockThreads];
     const int64_t t = blockIdx.y, n = a.n_embd;
     const float *xr = a.x + t * n;
     const float scale = rms_scale(xr, n, a.eps, scratch);
-    if (blockIdx.x == 0) {
-        for (int64_t i = threadIdx.x; i < n; i += blockDim.x) a.h[t * n + i] = a.norm[i] * (xr[i] * scale);
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+        const float v = a.norm[i] * (xr[i] * scale);
+        hs[i] = v;
+        if (blockIdx.x == 0) a.h[t * n + i] = v;
     }
+    __syncthreads();
     const int warp = int(threadIdx.x) / kWarp, lane = int(threadIdx.x) % kWarp, n_warps = int(blockDim.x) / kWarp;
     const int e = int(blockIdx.x) * n_warps + warp;
     if (e < a.n_expert) {
-        const float *w = a.w + int64_t(e) * n;
+        const auto *w = reinterpret_cast<const float4 *>(a.w + int64_t(e) * n);
+        const auto *hv = reinterpret_cast<const float4 *>(hs);
+        const int64_t n_chunks = n / kChunk;
         float acc = 0.0f;
-        for (int64_t c = lane; c < n / kChunk; c += kWarp) {
-            const float4 *wp = reinterpret_cast<const float4 *>(w + c * kChunk);
-            const float4 w0 = __ldg(wp), w1 = __ldg(wp + 1);
-            const float wv[kChunk] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+        for (int64_t c0 = lane; c0 < n_chunks; c0 += kRouterBatch * kWarp) {
+            float4 wv[kRouterBatch][2];
 #pragma unroll
-            for (int k = 0; k < kChunk; ++k) {
-                const int64_t i = c * kChunk + k;
-                acc = fmaf(wv[k], a.norm[i] * (xr[i] * scale), acc);
+            for (int b = 0; b < kRouterBatch; ++b) {
+                const int64_t c = c0 + int64_t(b) * kWarp;
+                if (c < n_chunks) wv[b][0] = __ldg(w + 2 * c), wv[b][1] = __ldg(w + 2 * c + 1);
+            }
+#pragma unroll
+            for (int b = 0; b < kRouterBatch; ++b) {
+                const int64_t c = c0 + int64_t(b) * kWarp;
+                if (c >= n_chunks) break;
+                const float4 h0 = hv[2 * c], h1 = hv[2 * c + 1];
+                const float wk[kChunk] = {wv[b][0].x, wv[b][0].y, wv[b][0].z, wv[b][0].w,
+                                          wv[b][1].x, wv[b][1].y, wv[b][1].z, wv[b][1].w};
+                const float hk[kChunk] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
+#pragma unroll
+                for (int k = 0; k < kChunk; ++k) acc = fmaf(wk[k], hk[k], acc);
             }
         }
         acc = warp_sum(acc);
@@ -438,6 +456,7 @@ void moe_router(const MoeRouterArgs &a, const RouterSpec &spec, cudaStream_t str
                 const int32_t *index, const void *const *data, int64_t n_updates) {
     check_router(a.n_expert, a.k, spec);
     CUDA_ASSERT(a.n_tok >= 1 && a.n_tok <= kMoeRouterMaxTokens && a.n_embd > 0 && a.n_embd % kChunk == 0);
+    if (a.n_embd > kMoeRouterMaxEmbd) cuda_unsupported("moe_router: n_embd must be at most 8192 (the row in shared memory)");
     CUDA_ASSERT(reinterpret_cast<uintptr_t>(a.w) % 16 == 0 && a.counter != nullptr);
     const int threads = row_threads(a.n_embd);  // rms_norm_kernel's block, for its scale bit for bit
     RouterResolve r{};
@@ -452,7 +471,7 @@ void moe_router(const MoeRouterArgs &a, const RouterSpec &spec, cudaStream_t str
     const dim3 grid(unsigned(ceil_div(a.n_expert, threads / kWarp)), unsigned(a.n_tok));
     dispatch_slots(a.n_expert, [&](auto l) {
         constexpr int L = decltype(l)::value;
-        moe_router_kernel<L><<<grid, threads, 0, stream>>>(a, spec, r);
+        moe_router_kernel<L><<<grid, threads, size_t(a.n_embd) * 4, stream>>>(a, spec, r);
     });
     launch_check("moe_router", stream);
     if (resolve != nullptr && !r.on) resolve_device_hits(*resolve, index, data, n_updates, stream);

@@ -42,6 +42,9 @@ struct MoeRouterArgs {
 
 /// Most tokens moe_router takes (its last block routes them all).
 constexpr int64_t kMoeRouterMaxTokens = 8;
+/// Widest rows moe_router takes: each block holds one normalized row in shared memory (32 KiB at most, beside the
+/// 8 KiB of the slot resolution's scans, within the 48 KiB a launch gets without opting in).
+constexpr int64_t kMoeRouterMaxEmbd = 8192;
 
 /// out[t] = sum_{j < k} weights[t][j] * y[pair_ids[t][j]] for t < n_tok, summed from 0 in ascending j (the
 /// top-k order the CPU executor sums in); with `residual` ([n_tok][n_embd], may be out itself), out[t] =
@@ -94,7 +97,7 @@ void resolve_device_hits(const DeviceHitsArgs &args, const int32_t *index, const
 
 /// h = rms_norm(x, norm, eps); logits = h W^T; ids, weights = router_topk(logits, spec): bit for bit those three
 /// calls (rms_norm; matmul's GEMV path, F32 weights; router_topk without probs). n_tok in
-/// [1, kMoeRouterMaxTokens], n_embd a multiple of 8, w 16-byte aligned; n_expert, k and spec as router_topk
+/// [1, kMoeRouterMaxTokens], n_embd a multiple of 8 and at most kMoeRouterMaxEmbd, w 16-byte aligned; n_expert, k and spec as router_topk
 /// requires (else throws Error). Calls on one counter must not overlap (one stream). Asynchronous on `stream`.
 /// With `resolve`, then resolve_device_hits(*resolve, index, data, n_updates) (its ids and weights_in may be the
 /// ones this call writes): in the router's own launch, by its last block, when the updates fit one batch (64) and
