@@ -396,6 +396,7 @@ void GpuContext::release() noexcept {
     try {
         // Work queued on the device may still read the buffers and wait on the loader's events.
         if (compute_) backend_->stream_synchronize(compute_);
+        if (routing_side_) backend_->stream_synchronize(routing_side_);  // a copy a failed pass never joined
         moe_.reset();
         moe_device_.reset();
         loader_.reset();
@@ -629,6 +630,7 @@ void GpuContext::forward_pass(const int32_t *tokens, int64_t n, std::span<const 
         } catch (...) {
             capturing_ = false;
             graph_seq_ = -1;
+            routing_join_pending_ = false;  // its join was recorded in the dropped capture; its copies never ran
             graph_.abandon_capture(stream());
             throw;
         }
@@ -661,6 +663,7 @@ bool GpuContext::graph_pass(int64_t n, std::span<const SeqRun> runs, int64_t n_r
 
 void GpuContext::queue_layers(int64_t n, std::span<const SeqRun> runs, size_t n_ints) {
     const HParams &hp = model_.hp();
+    moe_device_->drop_router();  // one still held was left by a pass that failed
     backend_->copy_h2d_async(tok_dev_, tok_host_, n_ints * 4, compute_);
     cuda::get_rows(tok_embd_.type, tok_embd_.data, hp.n_embd, hp.n_vocab, tok_dev_, n, x_, stream());
     for (int64_t il = 0; il < hp.n_layer; ++il) {
@@ -903,7 +906,7 @@ void GpuContext::moe_block(int64_t il, int64_t n) {
             return;
         }
         PRESCOPE_ASSERT(!capturing_);  // graph_pass: every layer runs whole
-        moe_->mark_routing_copied(int32_t(il), routing_side_);
+        moe_->mark_routing_copied(int32_t(il), compute_);
         backend_->event_synchronize(copied);
     }
     account_device_steps(true);  // copied before this layer's routing: their accounting comes first

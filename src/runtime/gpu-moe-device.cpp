@@ -211,8 +211,7 @@ void CudaMoeDevice::shared_expert(int32_t layer, int64_t n_tok, int64_t row0) {
 }
 
 void CudaMoeDevice::defer_router(const RouterLaunch &r) {
-    // One still held was left by an error between its hand-over and the layer's launches: dropped with that pass.
-    PRESCOPE_ASSERT(r.copy.dst && r.copy.src && r.copy.side && r.copy.fork && r.copy.done && r.copy.join);
+    PRESCOPE_ASSERT(!router_held_ && r.copy.dst && r.copy.src && r.copy.side && r.copy.fork && r.copy.done && r.copy.join);
     router_ = r;
     router_held_ = true;
 }

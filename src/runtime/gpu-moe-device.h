@@ -83,11 +83,12 @@ class CudaMoeDevice final : public MoeDevice {
         RoutingCopy copy;
     };
     /// Holds r until the next launch_device_hits / launch_device_layer, which queues the router with its
-    /// resolution fused in, then the copy, then the experts; or until flush_router. One at a time: a
-    /// later one replaces it.
+    /// resolution fused in, then the copy, then the experts; or until flush_router or drop_router.
     void defer_router(const RouterLaunch &r);
     /// Queues a deferred router that no device launch took (and its copy); nothing when none is held.
     void flush_router();
+    /// Forgets a deferred router without queueing it (one left by a pass that failed).
+    void drop_router() { router_held_ = false; }
     uint64_t device_bytes() const { return device_bytes_; }
     uint64_t host_bytes() const { return host_bytes_; }
     bool host_pinned() const { return pinned_ != nullptr; }

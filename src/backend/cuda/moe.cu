@@ -274,7 +274,8 @@ struct RouterResolve {
     UpdateBatch u;
 };
 
-constexpr int kMaxBlockThreads = 1024;
+constexpr int kMaxBlockThreads = 512;  // moe_router's block
+static_assert(row_threads(int64_t(1) << 40) <= kMaxBlockThreads, "moe_router's block is row_threads(n_embd)");
 
 // moe_router: block (b, t) of row_threads(n_embd) threads normalizes token t's row into shared memory (rms_scale,
 // as rms_norm_kernel; block (0, t) also writes it to h) and computes the logits of experts b * W .. b * W + W - 1,
