@@ -695,7 +695,6 @@ void GpuContext::attention_block(int64_t il, int64_t n, std::span<const SeqRun> 
     const cudaStream_t s = stream();
     const int32_t *pos = tok_dev_ + params_.n_batch;
 
-    cuda::rms_norm(x_, l.attn_norm, n, hp.n_embd, hp.rms_eps, hb_, s);
     const int64_t seq_stride = params_.n_ctx * n_kv;  // one sequence's cache of one layer
     float *kc = k_cache_ + il * params_.n_seq * seq_stride, *vc = v_cache_ + il * params_.n_seq * seq_stride;
     // One run writes its new keys and values straight to their cache rows; several go through k_new_/v_new_
@@ -706,7 +705,14 @@ void GpuContext::attention_block(int64_t il, int64_t n, std::span<const SeqRun> 
     float *v_new = direct ? vc + runs[0].seq * seq_stride + runs[0].pos0 * n_kv : v_new_;
     const cuda::MatmulPart qkv[3] = {{l.wq.type, l.wq.data, l.wq.n_out, q_}, {l.wk.type, l.wk.data, l.wk.n_out, k_new},
                                      {l.wv.type, l.wv.data, l.wv.n_out, v_new}};
-    cuda::matmul_parts(qkv, hp.n_embd, hb_, n, ws_, s);  // one launch, the activations quantized once
+    // One launch, the activations quantized once; at decode the attention norm too (decision 0149).
+    if (cuda::matmul_parts_fuse_norm(qkv, n)) {
+        const cuda::RowNorm norm{l.attn_norm, hp.rms_eps};
+        cuda::matmul_parts(qkv, hp.n_embd, x_, n, ws_, s, cuda::MatmulPath::AUTO, &norm);
+    } else {
+        cuda::rms_norm(x_, l.attn_norm, n, hp.n_embd, hp.rms_eps, hb_, s);
+        cuda::matmul_parts(qkv, hp.n_embd, hb_, n, ws_, s);
+    }
     const float mscale = hp.rope_yarn ? hp.rope_yarn->mscale : 1.0f;
     if (hp.qk_norm != QkNorm::FULL) {
         // Biases, per-head norms, RoPE and the moves into the cache rows in one launch (decision 0143).

@@ -298,27 +298,31 @@ struct MatmulCase : Case {
 /// With a residual part (index res >= 0): that part's y starts as random values and receives their sum with the
 /// product in place (the attention output projection onto the residual stream), against the part alone plus the
 /// host's one F32 addition: bit for bit on the GEMV path, within kTight on cuBLAS's (its beta = 1 epilogue).
+/// With `norm` (decision 0149): x is the row before an RMSNorm the products apply themselves, against the CPU's
+/// rms_norm then matmul, and bit for bit against cu::rms_norm then each part alone.
 struct MatmulPartsCase : Case {
     DType type;
     int64_t n_in, n_tok;
     std::vector<int64_t> n_out;
     cu::MatmulPath path;
     int res;
+    bool norm;
     std::vector<std::vector<uint8_t>> w;
-    std::vector<float> x, y0;
+    std::vector<float> x, y0, norm_w;
     std::vector<std::vector<float>> y_ref;
     std::vector<DevBuf> dw, dy, dy_alone;
-    DevBuf dx, ws;
+    DevBuf dx, ws, dnorm, dh;
 
     MatmulPartsCase(DType t, int64_t ni, std::vector<int64_t> no, int64_t nt, cu::MatmulPath p = cu::MatmulPath::AUTO,
-                    int r = -1)
-        : type(t), n_in(ni), n_tok(nt), n_out(std::move(no)), path(p), res(r) {}
+                    int r = -1, bool nm = false)
+        : type(t), n_in(ni), n_tok(nt), n_out(std::move(no)), path(p), res(r), norm(nm) {}
     std::string op() const override { return "matmul_parts"; }
     std::string vars() const override {
         std::string outs;
         for (int64_t o : n_out) outs += strf(outs.empty() ? "%lld" : "/%lld", (long long)o);
         return strf("type=%s,n_in=%lld,n_out=%s,n_tok=%lld,path=%s%s", dtype_name(type), (long long)n_in, outs.c_str(),
-                    (long long)n_tok, path_name(path), res >= 0 ? strf(",residual=%d", res).c_str() : "");
+                    (long long)n_tok, path_name(path), res >= 0 ? strf(",residual=%d", res).c_str() : "") +
+               (norm ? ",norm" : "");
     }
     void init(Rng &rng) override {
         size_t ws_bytes = 0;
@@ -334,12 +338,19 @@ struct MatmulPartsCase : Case {
         dx = DevBuf(x);
         ws = DevBuf(ws_bytes);
         if (res >= 0) y0 = rng.floats(size_t(n_tok * n_out[size_t(res)]), -4.0f, 4.0f);
+        if (norm) {
+            norm_w = rng.floats(size_t(n_in), 0.5f, 1.5f);
+            dnorm = DevBuf(norm_w);
+            dh = DevBuf(x.size() * 4);
+        }
     }
     void reference() override {
         y_ref.assign(n_out.size(), {});
+        std::vector<float> h = x;
+        if (norm) cpu::rms_norm(x.data(), norm_w.data(), n_tok, n_in, 1e-6f, h.data());
         for (size_t z = 0; z < n_out.size(); ++z) {
             y_ref[z].resize(size_t(n_tok * n_out[z]));
-            cpu::matmul(type, w[z].data(), n_in, n_out[z], x.data(), n_tok, y_ref[z].data());
+            cpu::matmul(type, w[z].data(), n_in, n_out[z], h.data(), n_tok, y_ref[z].data());
             if (int(z) == res) {
                 for (size_t i = 0; i < y0.size(); ++i) y_ref[z][i] = y0[i] + y_ref[z][i];
             }
@@ -354,15 +365,21 @@ struct MatmulPartsCase : Case {
             float *y = dy[z].as<float>();
             parts.push_back({type, dw[z].bytes_ptr(), n_out[z], y, int(z) == res ? y : nullptr});
         }
-        cu::matmul_parts(parts, n_in, dx.as<float>(), n_tok, ws.workspace(), g_stream, path);
+        const cu::RowNorm rn{dnorm.as<float>(), 1e-6f};
+        cu::matmul_parts(parts, n_in, dx.as<float>(), n_tok, ws.workspace(), g_stream, path, norm ? &rn : nullptr);
     }
     std::vector<Check> compare() override {
         std::vector<Check> c;
+        const float *xin = dx.as<float>();
+        if (norm) {
+            cu::rms_norm(dx.as<float>(), dnorm.as<float>(), n_tok, n_in, 1e-6f, dh.as<float>(), g_stream);
+            xin = dh.as<float>();
+        }
         for (size_t z = 0; z < n_out.size(); ++z) {
             const std::vector<float> got = dy[z].download<float>();
             c.push_back(nmse(strf("y%zu", z), got, y_ref[z], matmul_tol(type, resolved_path(type, n_tok, path))));
-            cu::matmul(type, dw[z].bytes_ptr(), n_in, n_out[z], dx.as<float>(), n_tok, dy_alone[z].as<float>(),
-                       ws.workspace(), g_stream, path);
+            cu::matmul(type, dw[z].bytes_ptr(), n_in, n_out[z], xin, n_tok, dy_alone[z].as<float>(), ws.workspace(),
+                       g_stream, path);
             std::vector<float> alone = dy_alone[z].download<float>();
             if (int(z) == res) {
                 for (size_t i = 0; i < alone.size(); ++i) alone[i] = y0[i] + alone[i];
@@ -1450,6 +1467,12 @@ CaseList test_cases() {
     add<MatmulPartsCase>(l, DType::Q4_K, 512, std::vector<int64_t>{96}, 3, P::AUTO, 0);
     add<MatmulPartsCase>(l, DType::Q8_0, 256, std::vector<int64_t>{64}, 40, P::CUBLAS, 0);
     add<MatmulPartsCase>(l, DType::F32, 64, std::vector<int64_t>{32, 8, 8}, 1, P::AUTO, 2);
+    // The attention norm in the products (decision 0149): the integer Q8_0 path, the F32 path of a K-quant, a norm
+    // block smaller than the GEMV's (n_in 64: 64 threads) and larger (n_in 4096: 512).
+    add<MatmulPartsCase>(l, DType::Q8_0, 256, std::vector<int64_t>{128, 16, 16}, 1, P::AUTO, -1, true);
+    add<MatmulPartsCase>(l, DType::Q4_K, 512, std::vector<int64_t>{96, 33}, 1, P::AUTO, -1, true);
+    add<MatmulPartsCase>(l, DType::Q8_0, 64, std::vector<int64_t>{32, 8}, 1, P::AUTO, -1, true);
+    add<MatmulPartsCase>(l, DType::Q8_0, 4096, std::vector<int64_t>{64, 16}, 1, P::AUTO, -1, true);
 
     for (DType t : {DType::Q8_0, DType::BF16, DType::F16, DType::F32}) {
         add<ExpertMatmulCase>(l, t, 2048, 768, 128, 8, 1, true);        // decode: 8 experts, 1 token

@@ -59,6 +59,29 @@ __device__ __forceinline__ float rms_scale(const float *x, int64_t n, float eps,
     return float(1.0 / sqrt(double(sum) / double(n) + double(eps)));
 }
 
+/// rms_scale's value for a block of `virt_threads` threads (a multiple of 32, at most 1024), computed by a block of
+/// any size (a multiple of 32): thread t runs the FMA chains of virtual threads t, t + blockDim.x, ..., and the two
+/// reduction stages are block_sum's over the virtual warps, so the result equals rms_scale's in a block of
+/// virt_threads bit for bit (decision 0149: the GEMV normalises its row as rms_norm_kernel would). `scratch`: 32
+/// floats of shared memory. Every thread of the block must call it.
+__device__ __forceinline__ float rms_scale_as(const float *x, int64_t n, float eps, int virt_threads, float *scratch) {
+    const int lane = int(threadIdx.x) % kWarp;
+    for (int vt0 = 0; vt0 < virt_threads; vt0 += int(blockDim.x)) {
+        const int vt = vt0 + int(threadIdx.x);
+        float sum = 0.0f;
+        if (vt < virt_threads) {
+            for (int64_t i = vt; i < n; i += virt_threads) sum = fmaf(x[i], x[i], sum);
+        }
+        sum = warp_sum(sum);  // vt and its warp's lanes form one virtual warp (vt0 is a multiple of 32)
+        if (lane == 0 && vt < virt_threads) scratch[vt / kWarp] = sum;
+    }
+    __syncthreads();
+    float v = lane < virt_threads / kWarp ? scratch[lane] : 0.0f;
+    v = warp_sum(v);
+    __syncthreads();  // scratch may be reused right after
+    return float(1.0 / sqrt(double(v) / double(n) + double(eps)));
+}
+
 /// Maximum over the block; same contract as block_sum.
 __device__ __forceinline__ float block_max(float v, float *scratch) {
     const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, n_warps = blockDim.x / kWarp;

@@ -73,6 +73,10 @@ struct MmvArgs {
     bool glu;                   // parts 0 and 1 are gate and up: y[0] = silu(gate) * up (swiglu_kernel's
                                 // arithmetic), from one launch of n_out[0] / 4 row blocks
     bool int_dot;               // (set by launch_mmv) Q8_0 weights, one token, quant_in: integer dot products
+    const float *norm;          // [n_in] RMSNorm weights: the one token's row is normalised here first, as
+                                // rms_norm_kernel with norm_threads threads would (decision 0149), or nullptr
+    float eps;
+    int32_t norm_threads;
 };
 
 // The integer path of one-token Q8_0 products (MmvArgs::int_dot): the block quantizes the token's activations once
@@ -149,6 +153,7 @@ __device__ __forceinline__ void quantize_chunk(float v[kChunk]) {
 template <DType T, int NT>
 __global__ void __launch_bounds__(kMmvThreads, kMmvMinBlocks) mmv_kernel(const MmvArgs a) {
     extern __shared__ __align__(16) uint8_t smem[];
+    __shared__ float norm_scratch[kWarp];
     const int32_t p_begin = a.offsets != nullptr ? a.offsets[blockIdx.y] : 0;
     const int32_t p_end = a.offsets != nullptr ? a.offsets[blockIdx.y + 1] : a.n_tok;
     if (p_end <= p_begin || p_end - p_begin > a.max_tok) return;  // uniform over the block
@@ -209,6 +214,17 @@ __global__ void __launch_bounds__(kMmvThreads, kMmvMinBlocks) mmv_kernel(const M
             for (int t = 0; t < NT; ++t) acc[j][t] = 0.0f;
 
         stage(0, 0);
+        // The row's RMSNorm scale (one token: quant_in), while slice 0 loads; then x[i] is read as norm[i] * (x[i] *
+        // scale), rms_norm_kernel's expression.
+        const float norm_scale = a.norm != nullptr ? rms_scale_as(xr[0], a.n_in, a.eps, a.norm_threads, norm_scratch) : 0.0f;
+        const auto normalise = [&](int64_t c, float v[kChunk]) {
+            if (a.norm == nullptr) return;
+            const float4 *np = reinterpret_cast<const float4 *>(a.norm + c * kChunk);
+            const float4 n0 = __ldg(np), n1 = __ldg(np + 1);
+            const float nw[kChunk] = {n0.x, n0.y, n0.z, n0.w, n1.x, n1.y, n1.z, n1.w};
+#pragma unroll
+            for (int k = 0; k < kChunk; ++k) v[k] = nw[k] * (v[k] * norm_scale);
+        };
         if constexpr (kIntDot) {
             if (a.int_dot) {  // uniform: the token's quants and scales into shared memory while slice 0 loads
                 for (int64_t base = 0; base < n_chunks; base += kMmvThreads) {
@@ -219,6 +235,7 @@ __global__ void __launch_bounds__(kMmvThreads, kMmvMinBlocks) mmv_kernel(const M
                         const float4 *xp = reinterpret_cast<const float4 *>(xr[0] + c * kChunk);
                         const float4 u = __ldg(xp), w = __ldg(xp + 1);
                         v[0] = u.x, v[1] = u.y, v[2] = u.z, v[3] = u.w, v[4] = w.x, v[5] = w.y, v[6] = w.z, v[7] = w.w;
+                        normalise(c, v);
                     }
                     int q[kChunk];
                     const float dh = quantize_chunk_q8_0(v, q);
@@ -294,6 +311,7 @@ __global__ void __launch_bounds__(kMmvThreads, kMmvMinBlocks) mmv_kernel(const M
                         const float4 u = __ldg(xp), v = __ldg(xp + 1);
                         xv[0] = u.x, xv[1] = u.y, xv[2] = u.z, xv[3] = u.w, xv[4] = v.x, xv[5] = v.y, xv[6] = v.z,
                         xv[7] = v.w;
+                        normalise(c0 + cl, xv);
                     }
                     if constexpr (T != DType::F32 && T != DType::F16 && T != DType::BF16) {
                         if (a.quant_in) quantize_chunk<kActType<T>>(xv);  // uniform over the block
@@ -524,12 +542,21 @@ size_t matmul_workspace_bytes(DType type, int64_t n_in, int64_t n_out, int64_t n
     return q + x_bytes + dequant_bytes(type, n_in, n_out);
 }
 
+bool matmul_parts_fuse_norm(std::span<const MatmulPart> parts, int64_t n_tok, MatmulPath path) {
+    if (n_tok != 1 || resolve_path(path) == MatmulPath::CUBLAS) return false;  // one token: AUTO takes the GEMV
+    return std::all_of(parts.begin(), parts.end(), [](const MatmulPart &m) { return quantizes_activations(m.type); });
+}
+
 void matmul_parts(std::span<const MatmulPart> parts, int64_t n_in, const float *x, int64_t n_tok, Workspace ws,
-                  cudaStream_t stream, MatmulPath path) {
+                  cudaStream_t stream, MatmulPath path, const RowNorm *norm) {
     CUDA_ASSERT(!parts.empty() && parts.size() <= size_t(kMaxParts));
+    CUDA_ASSERT(norm == nullptr || (matmul_parts_fuse_norm(parts, n_tok, path) && norm->w != nullptr &&
+                                    reinterpret_cast<uintptr_t>(norm->w) % 16 == 0));
     const DType type = parts[0].type;
     if (std::any_of(parts.begin(), parts.end(), [&](const MatmulPart &m) { return m.type != type; })) {
-        for (const MatmulPart &m : parts) matmul_parts(std::span<const MatmulPart>(&m, 1), n_in, x, n_tok, ws, stream, path);
+        for (const MatmulPart &m : parts) {
+            matmul_parts(std::span<const MatmulPart>(&m, 1), n_in, x, n_tok, ws, stream, path, norm);
+        }
         return;
     }
     for (const MatmulPart &m : parts) {
@@ -567,6 +594,11 @@ void matmul_parts(std::span<const MatmulPart> parts, int64_t n_in, const float *
         }
         a.res = order[0].residual;
         a.x = x;
+        if (norm != nullptr) {
+            a.norm = norm->w;
+            a.eps = norm->eps;
+            a.norm_threads = row_threads(n_in);  // rms_norm_kernel's block, for its scale bit for bit
+        }
         a.n_in = n_in;
         a.n_tok = int32_t(n_tok);
         a.max_tok = INT32_MAX;

@@ -70,8 +70,20 @@ struct MatmulPart {
 /// matmuls. Each part's y equals a matmul of that part alone bit for bit. Rules for w, x and ws as for matmul;
 /// ws must hold matmul_workspace_bytes of every part. One token on the GEMV path quantizes its activations in the
 /// kernel (quantize_activations's values), and Q8_0 weights then multiply in integers (decision 0143).
+///
+/// With `norm`, x is the row before an RMSNorm (weights norm->w, [n_in] F32, 16-byte aligned): the products see
+/// rms_norm(x, norm->w, norm->eps) (norm.cuh), the same floats as that kernel writes, normalised in the GEMV's own
+/// launch (decision 0149). Only where matmul_parts_fuse_norm(parts, n_tok, path) holds.
+struct RowNorm {
+    const float *w = nullptr;
+    float eps = 0.0f;
+};
 void matmul_parts(std::span<const MatmulPart> parts, int64_t n_in, const float *x, int64_t n_tok, Workspace ws,
-                  cudaStream_t stream, MatmulPath path = MatmulPath::AUTO);
+                  cudaStream_t stream, MatmulPath path = MatmulPath::AUTO, const RowNorm *norm = nullptr);
+
+/// Whether matmul_parts takes a RowNorm for these parts and tokens: one token on the GEMV path, weights whose
+/// products quantize the activations (the kernel reads the row itself; decision 0149).
+bool matmul_parts_fuse_norm(std::span<const MatmulPart> parts, int64_t n_tok, MatmulPath path = MatmulPath::AUTO);
 
 /// One grouped product: the active experts of a layer, each with the (token, slot) pairs routed to it.
 /// Pairs are numbered expert by expert: the pairs of expert e are [offsets[e], offsets[e + 1]); pair p
