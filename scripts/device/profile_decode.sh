@@ -11,6 +11,8 @@
 #
 # OPS_TEST: the ops whose CUDA-against-CPU tests run first (test-backend-ops test -o; default the products).
 # OPS_PERF=0 leaves out the op timings (test-backend-ops perf, about 30 s).
+# GPU_TESTS='gtest filter' also builds test-gpu and runs those tests first (e.g. 'GpuOffload.*': the decode paths,
+# graphs among them; needs tests/data in the tree, so the peer's binaries will not fit beside it: PEER_WAIT=0).
 #
 # The peer: common.sh's setup_peer (carried binaries, else .carry/peer/build.sh in the background with
 # PEER_PACK=$OUT/peer-bin, so the binaries come back to be carried next time). Carry .carry/debs, .carry/whl-gguf
@@ -36,8 +38,13 @@ export PEER_PACK=$OUT/peer-bin PEER_JOBS=$(nproc)
 setup_peer  # first: the peer's build is the longest part of a call on a fresh machine
 write_bench_model "$MODEL" "$OUT/model.log" --shape qwen3-30b-a3b &
 MODEL_PID=$!
-build_prescope build-gpu prescope-cli test-backend-ops prescope-cupti-trace || exit 1
+build_prescope build-gpu prescope-cli test-backend-ops prescope-cupti-trace ${GPU_TESTS:+test-gpu} || exit 1
 say "built ($((SECONDS - T0)) s)"
+if [ -n "${GPU_TESTS:-}" ]; then
+    run_bin timeout 300 build-gpu/bin/test-gpu --gtest_filter="$GPU_TESTS" > "$OUT/test-gpu.log" 2>&1
+    say "test-gpu ($GPU_TESTS): exit $?, $(grep -E '^\[  (PASSED|FAILED) ' "$OUT/test-gpu.log" | tr '\n' ' ')"
+    grep -E '^\[  FAILED  \] [A-Za-z]' "$OUT/test-gpu.log" | head -10 | tee -a "$OUT/summary.txt"
+fi
 
 CUPTI_DIR=$(dirname "$(find / -name 'libcupti.so*' -not -path '/proc/*' 2> /dev/null | head -1)")
 TRACER=$PWD/build-gpu/bin/libprescope-cupti-trace.so
