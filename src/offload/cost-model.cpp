@@ -51,14 +51,6 @@ std::string text(const nlohmann::json &j, const char *key) {
     return j.contains(key) && j[key].is_string() ? j[key].get<std::string>() : std::string();
 }
 
-std::string points_text(const std::vector<CostPoint> &p, const char *x_unit, const char *unit) {
-    std::string out;
-    for (const CostPoint &c : p) {
-        out += fmt::format("{}{:g}{} {:.1f}{}", out.empty() ? "" : ", ", c.x, x_unit, c.value, unit);
-    }
-    return out.empty() ? "none" : out;
-}
-
 } // namespace
 
 // ---------------------------------------------------------------------------------------------------------------

@@ -130,8 +130,9 @@ class CostModel {
     double h2d_us(uint64_t bytes) const;
     /// Fetching one expert of the shape.
     double fetch_us() const { return h2d_us(shape_.bytes); }
-    /// `requests` copies of `bytes` in all, at the chunk size's bandwidth: what the copy engine's busy time
-    /// should be (the load balancer's prediction of it), corrected.
+    /// Microseconds for `requests` copies of `bytes` in all: requests x h2d_request_us x the link correction +
+    /// bytes at link_gb_s() (corrected). What the copy engine's busy time should be: the load balancer's
+    /// prediction of it (LinkMeter).
     double link_us(uint64_t bytes, uint64_t requests) const;
     /// Link bandwidth at the chunk size, GB/s (corrected).
     double link_gb_s() const;

@@ -35,6 +35,19 @@ LoadBalance load_balance_from_name(std::string_view name, std::string_view where
     fail("{}: expected off, link or on, got '{}'", where, name);
 }
 
+bool LinkMeter::measure(const Reading &now, const CostModel &cost, LayerMeasurement &m) {
+    if (now.at_us - window_.at_us < min_window_us_) return false;
+    m.link_busy_us = now.busy_us - window_.busy_us;
+    m.link_wall_us = now.at_us - window_.at_us;
+    window_ = now;
+    if (now.bytes > landed_.bytes) {
+        m.link_work_us = now.busy_us - landed_.busy_us;
+        m.link_predicted_us = cost.link_us(now.bytes - landed_.bytes, now.requests - landed_.requests);
+        landed_ = now;
+    }
+    return true;
+}
+
 void LoadBalancer::observe(const LayerMeasurement &m, LayerStats &stats, LoadBalance mode) {
     int changed = 0;
     if (mode == LoadBalance::ON) {

@@ -46,6 +46,34 @@ struct LayerMeasurement {
     double layer_us = -1;                              // the layer's expert part, measured or predicted
 };
 
+/// The link's part of a LayerMeasurement, from a copy counter read now and then (the copy engine's CopyStats,
+/// the simulator's link): its busy share over windows of at least `min_window_us` of wall time (link_busy_us,
+/// link_wall_us), and its busy time since bytes last landed against CostModel::link_us of those bytes and
+/// requests (link_work_us, link_predicted_us; a window can close before a chunk's bytes land, and its busy time
+/// then waits for them). The runtime and the simulator measure the link alike through it (decisions 0146, 0147).
+class LinkMeter {
+  public:
+    /// The counter: busy time (us), bytes and requests completed, read at `at_us` (any clock, us).
+    struct Reading {
+        double busy_us = 0;
+        uint64_t bytes = 0, requests = 0;
+        double at_us = 0;
+    };
+    /// Windows of any length, the counter from 0 at time 0 (the simulator's link).
+    LinkMeter() = default;
+    /// Windows of at least min_window_us, the counter from `start`.
+    LinkMeter(double min_window_us, const Reading &start)
+        : min_window_us_(min_window_us), window_(start), landed_(start) {}
+    /// Fills m's link fields from `now` when at least min_window_us passed since the last window (the speed
+    /// fields only when bytes landed since they were last filled) and returns true; else leaves m and returns false.
+    bool measure(const Reading &now, const CostModel &cost, LayerMeasurement &m);
+
+  private:
+    double min_window_us_ = 0;
+    Reading window_;  // the counter at the last window
+    Reading landed_;  // the counter when bytes last landed
+};
+
 class LoadBalancer {
   public:
     explicit LoadBalancer(LoadBalancerConfig config = {}) : config_(config) {}

@@ -254,9 +254,7 @@ SimResult simulate(const RoutingTrace &trace, const ExpertShape &shape, const Co
     LayerDecision wave;
     wave.reserve(E);
     double now = 0;
-    double share_busy_us = 0, share_at_us = 0;  // the link's busy time at the last step, and when
-    double seen_busy_us = 0;                     // and when bytes last landed (the link correction)
-    uint64_t seen_bytes = 0, seen_requests = 0;
+    LinkMeter link_meter;  // every step: the runtime's 200 us windows are shorter than a simulated layer
     int64_t cursor = cfg.first_token;
 
     auto run_batch = [&](int64_t n, SimPhase &phase) {
@@ -383,17 +381,7 @@ SimResult simulate(const RoutingTrace &trace, const ExpertShape &shape, const Co
             }
             // The link as the runtime sees it (HybridMoe::collect_timings): busy time and bytes of every copy since
             // the last step, over the time passed.
-            m.link_busy_us = link.busy_us() - share_busy_us;
-            m.link_wall_us = t_route - share_at_us;
-            share_busy_us = link.busy_us();
-            share_at_us = t_route;
-            if (link.bytes_moved() > seen_bytes) {
-                m.link_work_us = link.busy_us() - seen_busy_us;
-                m.link_predicted_us = planner.cost().link_us(link.bytes_moved() - seen_bytes, link.requests() - seen_requests);
-                seen_busy_us = link.busy_us();
-                seen_bytes = link.bytes_moved();
-                seen_requests = link.requests();
-            }
+            link_meter.measure({link.busy_us(), link.bytes_moved(), link.requests(), t_route}, planner.cost(), m);
             m.layer_us = plan.predicted.critical_us;
             planner.observe(m, st);
             now = t_route + times.critical_us;

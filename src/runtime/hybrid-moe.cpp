@@ -116,11 +116,7 @@ HybridMoe::HybridMoe(const Model &model, const ExpertStore &store, const Placeme
         pending_cpu_end_us_.assign(size_t(hp.n_layer), -1);
         pending_gpu_predicted_us_.assign(size_t(hp.n_layer), -1);
     }
-    if (engine_) {
-        copy_seen_ = engine_->stats();
-        share_seen_busy_us_ = copy_seen_.busy_us;
-        share_seen_at_us_ = now_us();
-    }
+    if (engine_) link_meter_ = LinkMeter(kLinkWindowUs, link_reading());
     if (cache_) {
         table_slot_.assign(size_t(hp.n_layer) * E, -1);
         done_ticket_.assign(size_t(cache_->n_slots()), Ticket{});
@@ -433,26 +429,15 @@ void HybridMoe::collect_timings() {
         }
         planner_->observe(m, st);
     }
-    if (engine_) {
-        // The copy engine's busy share over the last window, and its achieved speed since bytes last landed
-        // against the model's (a window can be shorter than one chunk: its busy time waits for its bytes).
-        const CopyStats now = engine_->stats();
-        const double at = now_us();
-        if (at - share_seen_at_us_ >= kLinkWindowUs) {
-            LayerMeasurement m;
-            m.link_busy_us = now.busy_us - share_seen_busy_us_;
-            m.link_wall_us = at - share_seen_at_us_;
-            if (now.bytes_done > copy_seen_.bytes_done) {
-                m.link_work_us = now.busy_us - copy_seen_.busy_us;
-                m.link_predicted_us = planner_->cost().link_us(now.bytes_done - copy_seen_.bytes_done,
-                                                               now.requests_done - copy_seen_.requests_done);
-                copy_seen_ = now;
-            }
-            planner_->observe(m, cache_->layer_stats(cache_->n_layers() - 1));
-            share_seen_busy_us_ = now.busy_us;
-            share_seen_at_us_ = at;
-        }
+    LayerMeasurement m;
+    if (engine_ && link_meter_.measure(link_reading(), planner_->cost(), m)) {
+        planner_->observe(m, cache_->layer_stats(cache_->n_layers() - 1));
     }
+}
+
+LinkMeter::Reading HybridMoe::link_reading() const {
+    const CopyStats s = engine_->stats();
+    return {s.busy_us, s.bytes_done, s.requests_done, now_us()};
 }
 
 void HybridMoe::mark_routing_copied(int32_t layer, Stream stream) {

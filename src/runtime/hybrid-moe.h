@@ -262,11 +262,11 @@ class HybridMoe {
     std::vector<uint8_t> timing_pending_;                     // [n_layers]
     std::vector<double> pending_cpu_end_us_, pending_gpu_predicted_us_;
     std::vector<uint8_t> pending_simple_;                     // [n_layers] one wave, no split: compute is timed
-    CopyStats copy_seen_;              // engine counters when bytes last landed (the link correction)
-    double share_seen_busy_us_ = 0;    // the engine's busy time at the last busy-share window
-    double share_seen_at_us_ = 0;      // and when it was read (now_us)
+    LinkMeter link_meter_;  // the copy engine's busy share and speed (collect_timings)
     // Shortest window a link measurement covers: the busy share of a few microseconds is noise.
     static constexpr double kLinkWindowUs = 200;
+    /// The copy engine's counters now, as link_meter_ reads them.
+    LinkMeter::Reading link_reading() const;
     // The device slot table as queued (issue 14).
     std::vector<int32_t> table_slot_;          // [n_layers * n_experts] slot of each expert, or -1
     std::vector<Ticket> done_ticket_;          // [n_slots] the last ticket of each slot seen DONE

@@ -1085,14 +1085,16 @@ struct MoeRouterCase : Case {
     void poison() override {
         for (DevBuf *b : {&dh, &dlogits, &dids, &dwts}) b->poison();
     }
-    void run() override {
+    /// The launch's arguments over this case's buffers.
+    cu::MoeRouterArgs args() const {
         cu::MoeRouterArgs a;
         a.x = dx.as<float>(), a.norm = dnorm.as<float>(), a.eps = 1e-6f, a.h = dh.as<float>(), a.w = dw.as<float>();
         a.logits = dlogits.as<float>(), a.ids = dids.as<int32_t>(), a.weights = dwts.as<float>();
         a.counter = dcounter.as<unsigned>();
         a.n_tok = n_tok, a.n_embd = n_embd, a.n_expert = int32_t(n_expert), a.k = int32_t(k);
-        cu::moe_router(a, spec, g_stream);
+        return a;
     }
+    void run() override { cu::moe_router(args(), spec, g_stream); }
     std::vector<Check> compare() override {
         const std::vector<float> h = dh.download<float>(), logits = dlogits.download<float>(), wts = dwts.download<float>();
         const std::vector<int32_t> ids = dids.download<int32_t>();
@@ -1150,11 +1152,6 @@ struct MoeRouterResolveCase : MoeRouterCase {
         for (DevBuf *b : {&dptrs, &doffsets, &drows, &dpair_ids, &dcomb_w}) b->poison();
     }
     void run() override {
-        cu::MoeRouterArgs a;
-        a.x = dx.as<float>(), a.norm = dnorm.as<float>(), a.eps = 1e-6f, a.h = dh.as<float>(), a.w = dw.as<float>();
-        a.logits = dlogits.as<float>(), a.ids = dids.as<int32_t>(), a.weights = dwts.as<float>();
-        a.counter = dcounter.as<unsigned>();
-        a.n_tok = n_tok, a.n_embd = n_embd, a.n_expert = int32_t(n_expert), a.k = int32_t(k);
         cu::DeviceHitsArgs r;
         r.table = dtable.as<const void *>(), r.layer = 1, r.n_expert = int32_t(n_expert), r.ids = dids.as<int32_t>();
         r.n_tok = n_tok, r.k = k, r.up_offset = 16, r.down_offset = 32;
@@ -1165,7 +1162,7 @@ struct MoeRouterResolveCase : MoeRouterCase {
             r.weights_in = dwts.as<float>(), r.pair_ids = dpair_ids.as<int32_t>(), r.weights = dcomb_w.as<float>();
             r.k_comb = k;
         }
-        cu::moe_router(a, spec, g_stream, &r, index.data(), data.data(), int64_t(index.size()));
+        cu::moe_router(args(), spec, g_stream, &r, index.data(), data.data(), int64_t(index.size()));
     }
     std::vector<Check> compare() override {
         std::vector<Check> c = MoeRouterCase::compare();  // runs it twice: the updates apply again, unchanged
