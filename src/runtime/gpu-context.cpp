@@ -235,6 +235,7 @@ void GpuContext::init() {
     const int64_t dq = hp.head_dim_nope + hp.head_dim_rope;  // MLA query head
     const int64_t mla_io = std::max({hp.head_dim_nope, hp.kv_lora_rank, hp.head_dim_v});
 
+    step_routing_bytes_ = device_hits_tokens_ > 0 && config.device_steps ? a256(routing_block(device_hits_tokens_).bytes) : 0;
     auto carve = [&](Carver &c) {
         x_ = c.take<float>(size_t(nb * n_embd));
         hb_ = c.take<float>(size_t(nb * n_embd));
@@ -264,6 +265,7 @@ void GpuContext::init() {
         router_logits_ = c.take<float>(size_t(nb * E));
         router_counter_ = c.take<unsigned>(1);
         routing_dev_ = c.take<uint8_t>(routing_block(nb).bytes);
+        step_routing_dev_ = c.take<uint8_t>(size_t(L) * step_routing_bytes_);
         tok_dev_ = c.take<int32_t>(size_t(4 * nb + replay_ints));
         logits_dev_ = c.take<float>(size_t(kLogitRows * hp.n_vocab));
         ws_.ptr = c.take<uint8_t>(ws);
@@ -314,7 +316,6 @@ void GpuContext::init() {
     backend_->stream_synchronize(compute_);  // the host tables above are locals
 
     // Pinned host mirrors of what crosses the link every layer; pageable when page-locking is refused.
-    step_routing_bytes_ = device_hits_tokens_ > 0 && config.device_steps ? a256(routing_block(device_hits_tokens_).bytes) : 0;
     Carver host_sizing;
     auto carve_host = [&](Carver &c) {
         routing_host_ = c.take<uint8_t>(routing_block(nb).bytes);
@@ -848,24 +849,24 @@ void GpuContext::moe_block(int64_t il, int64_t n) {
     const DevLayer &l = layers_[size_t(il)];
     const int64_t k = hp.n_expert_used;
     const RoutingBlock b = routing_block(n);
-    auto *h = reinterpret_cast<float *>(routing_dev_ + b.h);
-    uint8_t *host_block = nullptr;  // where the layer's routing block lands on the host
+    // The one device-to-host copy of the layer: routing, router input, shared gate; a decode-sized pass's comes from
+    // and goes to the layer's own blocks, where it may wait to be read (below), so that the next router need not
+    // wait for it. Then the device runs the routed experts it holds (issue 14), resolved from the routing it has (the
+    // router's or the replayed trace's), while the host waits for the copy; a layer whose every expert it holds it
+    // runs whole (decision 0138), and the host reads that routing later.
+    const bool own_block = step_routing_bytes_ > 0 && n <= device_hits_tokens_;
+    uint8_t *const dev_block = own_block ? step_routing_dev_ + size_t(il) * step_routing_bytes_ : routing_dev_;
+    uint8_t *const host_block = own_block ? step_routing_host_ + size_t(il) * step_routing_bytes_ : routing_host_;
+    auto *h = reinterpret_cast<float *>(dev_block + b.h);
 
     {
         const NvtxRange range("router and routing copy");
         cuda::RouterSpec spec = router_spec(hp);
         spec.logit_bias = l.gate_inp_b;
         spec.select_bias = l.exp_probs_b;
-        auto *ids = reinterpret_cast<int32_t *>(routing_dev_ + b.ids);
-        auto *weights = reinterpret_cast<float *>(routing_dev_ + b.weights);
-        join_routing_copy();  // the last layer's copy has read the block this router writes
-        // The one device-to-host copy of the layer: routing, router input, shared gate; a decode-sized pass's
-        // goes to the layer's own block, where it may wait to be read (below). Then the device runs the routed
-        // experts it holds (issue 14), resolved from the routing it has (the router's or the replayed trace's),
-        // while the host waits for the copy; a layer whose every expert it holds it runs whole (decision 0138),
-        // and the host reads that routing later.
-        const bool own_block = step_routing_bytes_ > 0 && n <= device_hits_tokens_;
-        host_block = own_block ? step_routing_host_ + size_t(il) * step_routing_bytes_ : routing_host_;
+        auto *ids = reinterpret_cast<int32_t *>(dev_block + b.ids);
+        auto *weights = reinterpret_cast<float *>(dev_block + b.weights);
+        if (!own_block) join_routing_copy();  // the last layer's copy has read the block this router writes
         const Event copied = own_block ? step_ready_[size_t(il)] : routing_ready_;
         // The one-launch router (norm, router, top-k; decision 0143) goes to the MoE device, which fuses the
         // layer's slot resolution into it when it runs the layer's resident experts (then the copy follows).
@@ -880,7 +881,7 @@ void GpuContext::moe_block(int64_t il, int64_t n) {
             a.n_tok = n, a.n_embd = hp.n_embd, a.n_expert = int32_t(hp.n_expert), a.k = int32_t(k);
             if (handed_over) {
                 moe_device_->defer_router(
-                    {a, spec, {host_block, routing_dev_, b.bytes, routing_side_, routing_fork_, copied, routing_join_}});
+                    {a, spec, {host_block, dev_block, b.bytes, routing_side_, routing_fork_, copied, routing_join_}});
             } else {
                 cuda::moe_router(a, spec, stream());
             }
@@ -891,17 +892,16 @@ void GpuContext::moe_block(int64_t il, int64_t n) {
         }
         if (!handed_over) {
             if (hp.shared_expert_gate) {
-                matmul(l.gate_inp_shexp, h, n, reinterpret_cast<float *>(routing_dev_ + b.shared_gate));
+                matmul(l.gate_inp_shexp, h, n, reinterpret_cast<float *>(dev_block + b.shared_gate));
             }
-            backend_->copy_d2h_forked(host_block, routing_dev_, b.bytes, compute_, routing_side_, routing_fork_, copied,
+            backend_->copy_d2h_forked(host_block, dev_block, b.bytes, compute_, routing_side_, routing_fork_, copied,
                                       routing_join_);
         }
         routing_join_pending_ = true;  // queued now, or with the router by the MoE device below
         const bool replayed = replay_on_device(n);
         moe_device_->set_layer(
-            h, replayed ? tok_dev_ + replay_ids(il, n) : reinterpret_cast<const int32_t *>(routing_dev_ + b.ids),
-            replayed ? reinterpret_cast<const float *>(tok_dev_ + replay_weights(il, n))
-                     : reinterpret_cast<const float *>(routing_dev_ + b.weights),
+            h, replayed ? tok_dev_ + replay_ids(il, n) : ids,
+            replayed ? reinterpret_cast<const float *>(tok_dev_ + replay_weights(il, n)) : weights,
             x_, x_);  // the combine adds the MoE output to the residual stream in place
         const DeviceLaunch launched =
             routing_override ? DeviceLaunch::NONE : moe_->launch_device(int32_t(il), n, own_block);

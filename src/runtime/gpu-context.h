@@ -138,7 +138,8 @@ class GpuContext final : public Engine {
     Event routing_ready_ = nullptr;  // recorded after each layer's routing copy to the host
     // The routing copies run on a side stream forked from compute_ after each router, off the chain of the layer's
     // kernels (0148: in a replayed decode graph the copy node and the gaps around it cost ~12 us a layer); the next
-    // router waits for the copy (join_routing_copy: the device block is reused), and so does the end of a pass.
+    // router of a pass larger than a decode step waits for the copy (join_routing_copy: that pass reuses one device
+    // block; a decode step's layers have their own), and so does the end of every pass.
     Stream routing_side_ = nullptr;
     Event routing_fork_ = nullptr, routing_join_ = nullptr;
     bool routing_join_pending_ = false;
@@ -173,6 +174,8 @@ class GpuContext final : public Engine {
     float *router_logits_ = nullptr;  // [n_batch][n_expert]
     unsigned *router_counter_ = nullptr;  // cuda::moe_router's block tickets
     uint8_t *routing_dev_ = nullptr;  // RoutingBlock for n_batch tokens: h, ids, weights, shared gate logits
+    uint8_t *step_routing_dev_ = nullptr;  // [n_layer] RoutingBlocks of device_hits_tokens_ (step_routing_host_'s
+                                           // sources): a decode step's layers need not wait for each other's copies
     float *k_new_ = nullptr;     // [n_batch][n_head_kv * head_dim] new keys of a pass of several runs or of a
     float *v_new_ = nullptr;     //   captured one (decision 0142), before the scatter into their sequences' cache
                                  //   rows (one run writes its rows directly)

@@ -128,6 +128,8 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attention_kernel(const AttnAr
     extern __shared__ __align__(16) float sm[];
     float *stage = sm, *qs = sm + S::BIG, *ps = qs + RP * HD, *al = ps + T * PP, *ml = al + RP, *ll = ml + RP;
     int64_t *lim = reinterpret_cast<int64_t *>(ll + RP);  // 8-byte aligned: every part above is a multiple of 8 B
+    pdl_wait();  // launched by launch_pdl
+    pdl_trigger();
     const int tid = int(threadIdx.x);
     const int G = a.group, kvh = int(blockIdx.y), split = int(blockIdx.z);
     const int64_t pos0 = a.pos0_dev != nullptr ? int64_t(*a.pos0_dev) : a.pos0;
@@ -317,6 +319,8 @@ __global__ void __launch_bounds__(256) attention_merge_kernel(const float *__res
                                                               int64_t n_head, int hd, int n_split, float *out,
                                                               const int32_t *pos0_dev, int tile) {
     static_assert(kAttnMaxSplits <= 2 * kWarp);
+    pdl_wait();  // launched by launch_pdl
+    pdl_trigger();
     if (pos0_dev != nullptr) n_split = splits_of(int64_t(*pos0_dev) + n_tok, n_split, tile).n_split;
     if (n_split == 1) return;
     __shared__ float w[kAttnMaxSplits];
@@ -375,7 +379,7 @@ void launch_attention(const AttnArgs &a, cudaStream_t stream) {
     constexpr size_t smem = AttnShape<HD, RP>::smem_bytes();
     if constexpr (smem > 48 * 1024) raise_dynamic_smem(reinterpret_cast<const void *>(attention_kernel<HD, RP>), smem);
     const dim3 grid(unsigned(ceil_div(a.n_tok, a.tok_per_block)), unsigned(a.n_head_kv), unsigned(a.n_split));
-    attention_kernel<HD, RP><<<grid, kAttnThreads, smem, stream>>>(a);
+    launch_pdl(attention_kernel<HD, RP>, grid, dim3(kAttnThreads), smem, stream, a);
 }
 
 template <int HD>
@@ -576,8 +580,9 @@ void attention(const float *q, const float *k_cache, const float *v_cache, int64
     default: launch_attention_rows<256>(a, stream); break;
     }
     if (plan.n_split > 1)
-        attention_merge_kernel<<<unsigned(n_tok * n_head), merge_threads(head_dim), 0, stream>>>(
-            a.part_o, a.part_ml, n_tok, n_head, int(head_dim), plan.n_split, out, pos0_dev, attn_tile(head_dim));
+        launch_pdl(attention_merge_kernel, dim3(unsigned(n_tok * n_head)), dim3(unsigned(merge_threads(head_dim))), 0,
+                   stream, a.part_o, a.part_ml, n_tok, n_head, int(head_dim), plan.n_split, out, pos0_dev,
+                   attn_tile(head_dim));
     launch_check("attention", stream);
 }
 
@@ -621,8 +626,8 @@ void attention_latent(const float *q, const float *cache, int64_t n_tok, int64_t
         launch(std::integral_constant<int, 4>{});
     }
     if (plan.n_split > 1)
-        attention_merge_kernel<<<unsigned(n_tok * n_head), merge_threads(dv), 0, stream>>>(
-            a.part_o, a.part_ml, n_tok, n_head, int(dv), plan.n_split, out, nullptr, 0);
+        launch_pdl(attention_merge_kernel, dim3(unsigned(n_tok * n_head)), dim3(unsigned(merge_threads(dv))), 0, stream,
+                   a.part_o, a.part_ml, n_tok, n_head, int(dv), plan.n_split, out, nullptr, 0);
     launch_check("attention_latent", stream);
 }
 

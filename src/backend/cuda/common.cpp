@@ -5,10 +5,10 @@
 #include "core/error.h"
 
 #include <array>
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <atomic>
 #include <mutex>
 #include <tuple>
 #include <vector>
@@ -43,6 +43,25 @@ bool sync_debug() {
         return v != nullptr && v[0] != '\0' && std::strcmp(v, "0") != 0;
     }();
     return on;
+}
+
+bool pdl_enabled() {
+    static const bool allowed = [] {
+        const char *v = std::getenv("PRESCOPE_CUDA_PDL");
+        return v == nullptr || std::strcmp(v, "0") != 0;
+    }();
+    static std::array<std::atomic<int8_t>, 64> state{};  // per device: 0 unknown, 1 on, -1 off
+    int device = 0;
+    if (!allowed || cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= int(state.size())) return false;
+    int8_t s = state[size_t(device)].load(std::memory_order_relaxed);
+    if (s == 0) {
+        int major = 0;
+        const bool hopper = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
+                            major >= 9;
+        s = hopper ? 1 : -1;
+        state[size_t(device)].store(s, std::memory_order_relaxed);
+    }
+    return s > 0;
 }
 
 void launch_check(const char *op, cudaStream_t stream) {

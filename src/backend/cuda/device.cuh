@@ -13,10 +13,47 @@
 #include <cstddef>
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 
 namespace prescope::cuda {
 
 constexpr int kWarp = 32;
+
+// Programmatic dependent launch (PDL, sm_90+; decision 0150). A kernel launched by launch_pdl may start while the
+// kernel before it in the stream is still running, so that its launch and its prologue hide behind that kernel's
+// tail. Such a kernel calls pdl_wait() in every block before it reads anything an earlier kernel wrote, writes
+// anything, or returns: pdl_wait() returns once the kernel before it has completed and its writes are visible (and,
+// every block having waited, this kernel's completion implies that one's for the kernel after it). pdl_trigger()
+// lets the kernel after this one launch (it then waits in its own pdl_wait()). Both are no-ops in a kernel launched
+// without the attribute and below sm_90.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+/// `kernel<<<grid, block, smem, stream>>>(args...)`, with programmatic stream serialization when pdl_enabled(): the
+/// kernel must follow pdl_wait()'s contract. The caller checks the launch (launch_check).
+template <class... P, class... A>
+void launch_pdl(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, A &&...args) {
+    cudaLaunchAttribute attr{};
+    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr.val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t config{};
+    config.gridDim = grid;
+    config.blockDim = block;
+    config.dynamicSmemBytes = smem;
+    config.stream = stream;
+    config.attrs = &attr;
+    config.numAttrs = pdl_enabled() ? 1 : 0;
+    (void)cudaLaunchKernelEx(&config, kernel, std::forward<A>(args)...);  // an error stays for launch_check
+}
 
 /// Weights are read in chunks of 8 consecutive elements, whatever the dtype (a quarter of a 32-block, a
 /// 32nd of a 256-superblock, 16 bytes of F16/BF16, 32 bytes of F32), so every kernel requires rows of a

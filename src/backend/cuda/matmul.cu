@@ -154,20 +154,19 @@ template <DType T, int NT>
 __global__ void __launch_bounds__(kMmvThreads, kMmvMinBlocks) mmv_kernel(const MmvArgs a) {
     extern __shared__ __align__(16) uint8_t smem[];
     __shared__ float norm_scratch[kWarp];
-    const int32_t p_begin = a.offsets != nullptr ? a.offsets[blockIdx.y] : 0;
-    const int32_t p_end = a.offsets != nullptr ? a.offsets[blockIdx.y + 1] : a.n_tok;
-    if (p_end <= p_begin || p_end - p_begin > a.max_tok) return;  // uniform over the block
-
     // The block's 8 staged rows: rows row0 .. row0 + 7 of part z, or (glu) gate and up rows alternating, so that
     // each warp holds the gate and up rows of one output row.
     const int z = int(blockIdx.z);
     const int64_t n_out = a.n_out[z];
     const int64_t row0 = int64_t(blockIdx.x) * (a.glu ? kMmvRows / 2 : kMmvRows);
-    if (row0 >= n_out) return;  // a shorter part of the launch (uniform over the block)
     const auto matrix = [&](int part) {
         return static_cast<const uint8_t *>(a.w_list[0] != nullptr ? a.w_list[part][blockIdx.y] : a.w[part]);
     };
-    const uint8_t *const w0 = matrix(a.glu ? 0 : z), *const w1 = a.glu ? matrix(1) : w0;
+    // Launched by launch_pdl: a product whose matrices and pairs are the launch's own (no expert table, no pair
+    // ranges: written by no kernel) stages its first slice before it waits for the kernel before it.
+    const bool own_operands = a.w_list[0] == nullptr && a.offsets == nullptr;
+    const bool prestage = own_operands && row0 < n_out && a.n_tok > 0 && a.n_tok <= a.max_tok;
+    const uint8_t *w0 = prestage ? matrix(a.glu ? 0 : z) : nullptr, *w1 = prestage && a.glu ? matrix(1) : w0;
     const auto out_row = [&](int r) { return a.glu ? row0 + r / 2 : row0 + r; };  // staged row r's output row
     const size_t rb = row_bytes(T, a.n_in);
     const int64_t n_chunks = a.n_in / kChunk;
@@ -196,6 +195,15 @@ __global__ void __launch_bounds__(kMmvThreads, kMmvMinBlocks) mmv_kernel(const M
         cp_async_commit();
     };
 
+    if (prestage) stage(0, 0);
+    pdl_wait();
+    const int32_t p_begin = a.offsets != nullptr ? a.offsets[blockIdx.y] : 0;
+    const int32_t p_end = a.offsets != nullptr ? a.offsets[blockIdx.y + 1] : a.n_tok;
+    if (p_end <= p_begin || p_end - p_begin > a.max_tok) return;  // uniform over the block
+    if (row0 >= n_out) return;  // a shorter part of the launch (uniform over the block)
+    w0 = matrix(a.glu ? 0 : z), w1 = a.glu ? matrix(1) : w0;
+    pdl_trigger();  // the next kernel may launch (and wait) once every block got here or returned
+
     constexpr bool kIntDot = T == DType::Q8_0 && NT == 1;
     int8_t *const xq = reinterpret_cast<int8_t *>(smem + kMmvSmemBytes<T>);
     float *const xd = reinterpret_cast<float *>(smem + kMmvSmemBytes<T> + (a.n_in + 15) / 16 * 16);
@@ -213,7 +221,7 @@ __global__ void __launch_bounds__(kMmvThreads, kMmvMinBlocks) mmv_kernel(const M
 #pragma unroll
             for (int t = 0; t < NT; ++t) acc[j][t] = 0.0f;
 
-        stage(0, 0);
+        if (!prestage || p0 != p_begin) stage(0, 0);
         // The row's RMSNorm scale (one token: quant_in), while slice 0 loads; then x[i] is read as norm[i] * (x[i] *
         // scale), rms_norm_kernel's expression.
         const float norm_scale = a.norm != nullptr ? rms_scale_as(xr[0], a.n_in, a.eps, a.norm_threads, norm_scratch) : 0.0f;
@@ -358,13 +366,13 @@ void launch_mmv(MmvArgs a, int n_group, int n_parts, int max_pairs, cudaStream_t
     a.int_dot = T == DType::Q8_0 && max_pairs <= 1 && a.quant_in && a.n_in <= kIntDotMaxIn;
     const size_t smem = kMmvSmemBytes<T> + (a.int_dot ? int_dot_smem_bytes(a.n_in) : 0);
     if (max_pairs <= 1) {
-        mmv_kernel<T, 1><<<grid, kMmvThreads, smem, stream>>>(a);
+        launch_pdl(mmv_kernel<T, 1>, grid, dim3(kMmvThreads), smem, stream, a);
     } else if (max_pairs <= 2) {
-        mmv_kernel<T, 2><<<grid, kMmvThreads, smem, stream>>>(a);
+        launch_pdl(mmv_kernel<T, 2>, grid, dim3(kMmvThreads), smem, stream, a);
     } else if (max_pairs <= 4) {
-        mmv_kernel<T, 4><<<grid, kMmvThreads, smem, stream>>>(a);
+        launch_pdl(mmv_kernel<T, 4>, grid, dim3(kMmvThreads), smem, stream, a);
     } else {
-        mmv_kernel<T, kMmvMaxTokens><<<grid, kMmvThreads, smem, stream>>>(a);
+        launch_pdl(mmv_kernel<T, kMmvMaxTokens>, grid, dim3(kMmvThreads), smem, stream, a);
     }
 }
 

@@ -188,7 +188,7 @@ __global__ void __launch_bounds__(kRouterWarps *kWarp)
 // ---------------------------------------------------------------------------------------------
 // device-resolved hits: one block of any size; thread i owns experts [i * C, (i + 1) * C), C = ceil(n_expert /
 // blockDim.x), and the block scans their pair and group counts (Hillis-Steele) to number groups and pairs in
-// ascending expert id.
+// ascending expert id; up to 32 pairs (decode), one warp numbers them with shuffles instead.
 
 constexpr int kResolveThreads = 256;       // resolve_device_hits_kernel's block
 constexpr int kResolveMaxPerThread = 4;    // experts per thread: 1024 experts in a block of 256
@@ -200,15 +200,86 @@ struct UpdateBatch {
     const void *data[kUpdatesPerLaunch];
 };
 
-/// Applies u to a.table, then resolves a (resolve_device_hits' contract) with the whole block. s_pairs, s_groups:
-/// shared memory of blockDim.x ints each. Requires n_expert <= blockDim.x * kResolveMaxPerThread. Every thread
-/// of the block must call it.
-__device__ void resolve_in_block(const DeviceHitsArgs &a, const UpdateBatch &u, int32_t *s_pairs, int32_t *s_groups) {
+/// Applies u to a.table (thread i of the block applies updates i, i + blockDim.x, ...); the caller syncs the block
+/// before the table is read.
+__device__ void apply_updates(const DeviceHitsArgs &a, const UpdateBatch &u) {
+    for (int i = int(threadIdx.x); i < u.n; i += int(blockDim.x)) a.table[u.index[i]] = u.data[i];
+}
+
+/// Fills the tails resolve_device_hits' contract defines past the resolved groups and pairs: offsets [total_groups,
+/// n_groups] = total_pairs, rows [total_pairs, n_pairs) = 0, and the combine's shared-expert entries (k_comb > k),
+/// thread `i` of `n` writing every n-th entry.
+__device__ void resolve_tails(const DeviceHitsArgs &a, int total_groups, int total_pairs, int i, int n) {
+    const int n_pairs = int(a.n_tok * a.k);
+    if (a.pair_ids && a.k_comb > a.k) {
+        for (int t = i; t < a.n_tok; t += n) {
+            a.pair_ids[t * a.k_comb + a.k] = n_pairs + t;
+            a.weights[t * a.k_comb + a.k] = 1.0f;
+        }
+    }
+    const int n_groups = n_pairs < a.n_expert ? n_pairs : a.n_expert;
+    for (int g = total_groups + i; g <= n_groups; g += n) a.offsets[g] = total_pairs;
+    for (int q = total_pairs + i; q < n_pairs; q += n) a.rows[q] = 0;
+}
+
+/// Resolves a (resolve_device_hits' contract) with one warp, lane p holding pair p: for n_tok * k <= 32, the
+/// decode case, without the block's scan and its barriers. Pair p's expert e is resident when its table entry is set;
+/// the lowest pair of each resident expert leads its group; pair p's number is the count of resident pairs of lower
+/// experts and of e's lower pairs, its group's the count of groups of lower experts: resolve_in_block's numbering.
+/// Every lane of the warp must call it.
+__device__ void resolve_in_warp(const DeviceHitsArgs &a) {
+    const int lane = int(threadIdx.x) % kWarp;
+    const int n_pairs = int(a.n_tok * a.k);
+    const void *const *row = a.table + a.layer * a.n_expert;
+    const bool have = lane < n_pairs;
+    const int e = have ? a.ids[lane] : INT_MAX;
+    const void *slot = have && e >= 0 && e < a.n_expert ? row[e] : nullptr;
+    const bool resident = slot != nullptr;
+    int pair = 0, group = 0, total_pairs = 0, total_groups = 0;
+    bool first = true;  // no lower pair has e
+    for (int q = 0; q < n_pairs; ++q) {
+        const int eq = __shfl_sync(0xffffffffu, e, q);
+        const bool rq = __shfl_sync(0xffffffffu, int(resident), q) != 0;
+        total_pairs += rq;
+        pair += rq && (eq < e || (eq == e && q < lane));
+        first = first && !(eq == e && q < lane);
+    }
+    const bool leader = resident && first;
+    for (int q = 0; q < n_pairs; ++q) {
+        const int eq = __shfl_sync(0xffffffffu, e, q);
+        const bool lq = __shfl_sync(0xffffffffu, int(leader), q) != 0;
+        total_groups += lq;
+        group += lq && eq < e;
+    }
+    if (resident) {
+        if (leader) {
+            const auto *w = static_cast<const uint8_t *>(slot);
+            a.gate_w[group] = w;
+            a.up_w[group] = w + a.up_offset;
+            a.down_w[group] = w + a.down_offset;
+            a.offsets[group] = pair;
+        }
+        const int t = lane / int(a.k), j = lane - t * int(a.k);
+        if (a.pair_ids) {
+            a.pair_ids[t * a.k_comb + j] = pair;
+            a.weights[t * a.k_comb + j] = a.weights_in[lane];
+        }
+        a.rows[pair] = int32_t(t);
+    }
+    resolve_tails(a, total_groups, total_pairs, lane, kWarp);
+}
+
+/// Resolves a (resolve_device_hits' contract) with the whole block, its table updates applied and visible. s_pairs,
+/// s_groups: shared memory of blockDim.x ints each. Requires n_expert <= blockDim.x * kResolveMaxPerThread. Every
+/// thread of the block must call it.
+__device__ void resolve_in_block(const DeviceHitsArgs &a, int32_t *s_pairs, int32_t *s_groups) {
     const int tid = int(threadIdx.x), n_threads = int(blockDim.x);
-    for (int i = tid; i < u.n; i += n_threads) a.table[u.index[i]] = u.data[i];
-    __syncthreads();  // the block's global writes are visible to the block from here
     const int n_pairs = int(a.n_tok * a.k);
     if (n_pairs == 0) return;  // uniform
+    if (n_pairs <= kWarp) {
+        if (tid < kWarp) resolve_in_warp(a);
+        return;
+    }
     const void *const *row = a.table + a.layer * a.n_expert;
     const int per = (a.n_expert + n_threads - 1) / n_threads, e0 = tid * per;
     int count[kResolveMaxPerThread];
@@ -251,20 +322,14 @@ __device__ void resolve_in_block(const DeviceHitsArgs &a, const UpdateBatch &u, 
             a.rows[pair++] = int32_t(t);
         }
     }
-    if (a.pair_ids && a.k_comb > a.k) {
-        for (int t = tid; t < a.n_tok; t += n_threads) {
-            a.pair_ids[t * a.k_comb + a.k] = n_pairs + t;
-            a.weights[t * a.k_comb + a.k] = 1.0f;
-        }
-    }
-    const int n_groups = n_pairs < a.n_expert ? n_pairs : a.n_expert;
-    for (int g = total_groups + tid; g <= n_groups; g += n_threads) a.offsets[g] = total_pairs;
-    for (int q = total_pairs + tid; q < n_pairs; q += n_threads) a.rows[q] = 0;
+    resolve_tails(a, total_groups, total_pairs, tid, n_threads);
 }
 
 __global__ void __launch_bounds__(kResolveThreads) resolve_device_hits_kernel(const DeviceHitsArgs a, const UpdateBatch u) {
     __shared__ int32_t s_pairs[kResolveThreads], s_groups[kResolveThreads];
-    resolve_in_block(a, u, s_pairs, s_groups);
+    apply_updates(a, u);
+    __syncthreads();  // the block's global writes are visible to the block from here
+    resolve_in_block(a, s_pairs, s_groups);
 }
 
 /// The slot resolution moe_router's last block runs after the routing (on = false: none).
@@ -281,9 +346,11 @@ static_assert(row_threads(int64_t(1) << 40) <= kMaxBlockThreads, "moe_router's b
 // as rms_norm_kernel; block (0, t) also writes it to h) and computes the logits of experts b * W .. b * W + W - 1,
 // W = its warps, one warp per expert with the GEMV kernel's F32 chains (lane l: chunks of 8 at l, l + 32, ..., then
 // warp_sum), so h and the logits equal rms_norm + matmul bit for bit. A lane loads kRouterBatch chunks of its
-// expert's row before it multiplies them (the row is 8 KiB at n_embd 2048: one latency, not eight). The last block
-// to finish (a ticket counter, reset by it for the next launch) routes every token, as router_topk.
-constexpr int kRouterBatch = 4;
+// expert's row before it multiplies them (the whole 8 KiB row at n_embd 2048: one latency, not eight), the first
+// batch before the norm, whose reductions then hide that load's latency. The last block to finish (a ticket counter,
+// reset by it for the next launch) routes every token, as router_topk, and resolves the slots (the table updates
+// applied while it routes).
+constexpr int kRouterBatch = 8;
 
 template <int L>
 __global__ void __launch_bounds__(kMaxBlockThreads)
@@ -293,6 +360,22 @@ __global__ void __launch_bounds__(kMaxBlockThreads)
     __shared__ bool last;
     __shared__ int32_t s_pairs[kMaxBlockThreads], s_groups[kMaxBlockThreads];
     const int64_t t = blockIdx.y, n = a.n_embd;
+    const int warp = int(threadIdx.x) / kWarp, lane = int(threadIdx.x) % kWarp, n_warps = int(blockDim.x) / kWarp;
+    const int e = int(blockIdx.x) * n_warps + warp;
+    const auto *w = reinterpret_cast<const float4 *>(a.w + int64_t(e < a.n_expert ? e : 0) * n);
+    const int64_t n_chunks = n / kChunk;
+    float4 wv[kRouterBatch][2];
+    const auto load_batch = [&](int64_t c0) {
+#pragma unroll
+        for (int b = 0; b < kRouterBatch; ++b) {
+            const int64_t c = c0 + int64_t(b) * kWarp;
+            if (c < n_chunks) wv[b][0] = __ldg(w + 2 * c), wv[b][1] = __ldg(w + 2 * c + 1);
+        }
+    };
+    if (e < a.n_expert) load_batch(lane);  // the router's weights: written by no kernel
+    pdl_wait();
+    pdl_trigger();
+
     const float *xr = a.x + t * n;
     const float scale = rms_scale(xr, n, a.eps, scratch);
     for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
@@ -301,20 +384,11 @@ __global__ void __launch_bounds__(kMaxBlockThreads)
         if (blockIdx.x == 0) a.h[t * n + i] = v;
     }
     __syncthreads();
-    const int warp = int(threadIdx.x) / kWarp, lane = int(threadIdx.x) % kWarp, n_warps = int(blockDim.x) / kWarp;
-    const int e = int(blockIdx.x) * n_warps + warp;
     if (e < a.n_expert) {
-        const auto *w = reinterpret_cast<const float4 *>(a.w + int64_t(e) * n);
         const auto *hv = reinterpret_cast<const float4 *>(hs);
-        const int64_t n_chunks = n / kChunk;
         float acc = 0.0f;
         for (int64_t c0 = lane; c0 < n_chunks; c0 += kRouterBatch * kWarp) {
-            float4 wv[kRouterBatch][2];
-#pragma unroll
-            for (int b = 0; b < kRouterBatch; ++b) {
-                const int64_t c = c0 + int64_t(b) * kWarp;
-                if (c < n_chunks) wv[b][0] = __ldg(w + 2 * c), wv[b][1] = __ldg(w + 2 * c + 1);
-            }
+            if (c0 != lane) load_batch(c0);
 #pragma unroll
             for (int b = 0; b < kRouterBatch; ++b) {
                 const int64_t c = c0 + int64_t(b) * kWarp;
@@ -337,11 +411,12 @@ __global__ void __launch_bounds__(kMaxBlockThreads)
     __syncthreads();
     if (!last) return;
     __threadfence();
+    if (r.on) apply_updates(r.a, r.u);
     for (int64_t tt = warp; tt < a.n_tok; tt += n_warps)
         route_token<L>(a.logits + tt * a.n_expert, tt, a.n_expert, a.k, spec, nullptr, a.ids, a.weights);
     if (r.on) {
-        __syncthreads();  // the ids and weights just written are visible to the block
-        resolve_in_block(r.a, r.u, s_pairs, s_groups);
+        __syncthreads();  // the table updates and the ids and weights just written are visible to the block
+        resolve_in_block(r.a, s_pairs, s_groups);
     }
     if (threadIdx.x == 0) *a.counter = 0;
 }
@@ -356,6 +431,8 @@ __global__ void __launch_bounds__(kCombineThreads)
     moe_combine_kernel(const float *__restrict__ y, const int32_t *__restrict__ pair_ids,
                        const float *__restrict__ weights, int64_t n_tok, int k, int64_t n_embd, const float *residual,
                        float *out) {
+    pdl_wait();
+    pdl_trigger();
     const int64_t i = int64_t(blockIdx.x) * kCombineThreads + threadIdx.x;
     if (i >= n_embd) return;
     for (int64_t t = blockIdx.y; t < n_tok; t += gridDim.y) {
@@ -472,7 +549,7 @@ void moe_router(const MoeRouterArgs &a, const RouterSpec &spec, cudaStream_t str
     const dim3 grid(unsigned(ceil_div(a.n_expert, threads / kWarp)), unsigned(a.n_tok));
     dispatch_slots(a.n_expert, [&](auto l) {
         constexpr int L = decltype(l)::value;
-        moe_router_kernel<L><<<grid, threads, size_t(a.n_embd) * 4, stream>>>(a, spec, r);
+        launch_pdl(moe_router_kernel<L>, grid, dim3(unsigned(threads)), size_t(a.n_embd) * 4, stream, a, spec, r);
     });
     launch_check("moe_router", stream);
     if (resolve != nullptr && !r.on) resolve_device_hits(*resolve, index, data, n_updates, stream);
@@ -507,8 +584,8 @@ void moe_combine(const float *y, const int32_t *pair_ids, const float *weights, 
     CUDA_ASSERT(k >= 1 && k < INT_MAX && n_embd > 0 && n_tok >= 0);
     if (n_tok == 0) return;
     const dim3 grid(unsigned(ceil_div(n_embd, kCombineThreads)), unsigned(n_tok < kMaxGridY ? n_tok : kMaxGridY));
-    moe_combine_kernel<<<grid, kCombineThreads, 0, stream>>>(y, pair_ids, weights, n_tok, int(k), n_embd, residual,
-                                                             out);
+    launch_pdl(moe_combine_kernel, grid, dim3(kCombineThreads), 0, stream, y, pair_ids, weights, n_tok, int(k), n_embd,
+               residual, out);
     launch_check("moe_combine", stream);
 }
 

@@ -48,6 +48,8 @@ template <RopeMode M>
 __global__ void __launch_bounds__(512) qk_norm_rope_kernel(const QkNormRopeArgs a) {
     __shared__ float scratch[kWarp];
     extern __shared__ __align__(16) float row[];  // [head_dim]
+    pdl_wait();  // launched by launch_pdl
+    pdl_trigger();
     const int64_t hd = a.head_dim, t = blockIdx.y;
     const int64_t h = blockIdx.x;
     const int64_t nq = a.n_head, nkv = a.n_head_kv;
@@ -95,9 +97,9 @@ void qk_norm_rope(const QkNormRopeArgs &a, int64_t n_tok, RopeMode mode, cudaStr
     const int threads = row_threads(a.head_dim);
     const size_t smem = size_t(a.head_dim) * 4;
     if (mode == RopeMode::NORM) {
-        qk_norm_rope_kernel<RopeMode::NORM><<<grid, threads, smem, stream>>>(a);
+        launch_pdl(qk_norm_rope_kernel<RopeMode::NORM>, grid, dim3(unsigned(threads)), smem, stream, a);
     } else {
-        qk_norm_rope_kernel<RopeMode::NEOX><<<grid, threads, smem, stream>>>(a);
+        launch_pdl(qk_norm_rope_kernel<RopeMode::NEOX>, grid, dim3(unsigned(threads)), smem, stream, a);
     }
     launch_check("qk_norm_rope", stream);
 }

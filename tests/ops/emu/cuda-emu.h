@@ -140,7 +140,7 @@ inline uint16_t __bfloat16_as_ushort(__nv_bfloat16 b) { return b.x; }
 enum cudaError_t { cudaSuccess = 0 };
 enum cudaMemcpyKind { cudaMemcpyHostToDevice = 1, cudaMemcpyDeviceToHost = 2, cudaMemcpyDeviceToDevice = 3 };
 enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
-enum cudaDeviceAttr { cudaDevAttrMultiProcessorCount = 16 };
+enum cudaDeviceAttr { cudaDevAttrMultiProcessorCount = 16, cudaDevAttrComputeCapabilityMajor = 75 };
 constexpr unsigned cudaStreamNonBlocking = 1;
 struct CUstream_st;
 using cudaStream_t = CUstream_st *;
@@ -180,6 +180,29 @@ template <class... P, class... A>
 void emu_launch(void (*k)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t, A &&...a) {
     std::tuple<std::decay_t<P>...> args(std::forward<A>(a)...);
     emu_run_blocks(grid, block, smem, [&] { std::apply(k, args); });
+}
+
+/// Programmatic dependent launch (device.cuh's launch_pdl): the emulation runs kernels one after another, so the
+/// attribute changes nothing.
+enum cudaLaunchAttributeID { cudaLaunchAttributeProgrammaticStreamSerialization = 5 };
+struct cudaLaunchAttributeValue {
+    unsigned programmaticStreamSerializationAllowed;
+};
+struct cudaLaunchAttribute {
+    cudaLaunchAttributeID id;
+    cudaLaunchAttributeValue val;
+};
+struct cudaLaunchConfig_t {
+    dim3 gridDim, blockDim;
+    size_t dynamicSmemBytes;
+    cudaStream_t stream;
+    cudaLaunchAttribute *attrs;
+    unsigned numAttrs;
+};
+template <class... P, class... A>
+cudaError_t cudaLaunchKernelEx(const cudaLaunchConfig_t *c, void (*k)(P...), A &&...a) {
+    emu_launch(k, c->gridDim, c->blockDim, c->dynamicSmemBytes, c->stream, std::forward<A>(a)...);
+    return cudaSuccess;
 }
 
 // ---------------------------------------------------------------------------------------------
