@@ -38,6 +38,13 @@ __device__ __forceinline__ void pdl_trigger() {
 #endif
 }
 
+/// Asks L2 for the 32 bytes at p ahead of a load (no register, no wait).
+__device__ __forceinline__ void prefetch_l2(const void *p) {
+#if defined(__CUDA_ARCH__)
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+#endif
+}
+
 /// `kernel<<<grid, block, smem, stream>>>(args...)`, with programmatic stream serialization when pdl_enabled(): the
 /// kernel must follow pdl_wait()'s contract. The caller checks the launch (launch_check).
 template <class... P, class... A>
