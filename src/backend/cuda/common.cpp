@@ -45,20 +45,30 @@ bool sync_debug() {
     return on;
 }
 
-bool pdl_enabled() {
+bool pdl_enabled(const void *kernel) {
     static const bool allowed = [] {
         const char *v = std::getenv("PRESCOPE_CUDA_PDL");
         return v == nullptr || std::strcmp(v, "0") != 0;
     }();
     static std::array<std::atomic<int8_t>, 64> state{};  // per device: 0 unknown, 1 on, -1 off
     int device = 0;
-    if (!allowed || cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= int(state.size())) return false;
+    if (!allowed) return false;
+    if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= int(state.size())) {
+        (void)cudaGetLastError();  // not the next launch's error
+        return false;
+    }
     int8_t s = state[size_t(device)].load(std::memory_order_relaxed);
     if (s == 0) {
+        // The device must be sm_90+ and run code compiled for it: a build for older architectures only runs on a
+        // Hopper as PTX compiled at load time, in which pdl_wait() was compiled out.
         int major = 0;
-        const bool hopper = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
-                            major >= 9;
-        s = hopper ? 1 : -1;
+        cudaFuncAttributes fa{};
+        if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+            cudaFuncGetAttributes(&fa, kernel) != cudaSuccess) {
+            (void)cudaGetLastError();
+            return false;  // not cached: asked again at the next launch
+        }
+        s = major >= 9 && fa.ptxVersion >= 90 ? 1 : -1;
         state[size_t(device)].store(s, std::memory_order_relaxed);
     }
     return s > 0;

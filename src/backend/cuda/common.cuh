@@ -37,9 +37,11 @@ namespace prescope::cuda {
 /// reported at the launch that caused it. Read once.
 bool sync_debug();
 
-/// Whether device.cuh's launch_pdl launches with programmatic dependent launch (decision 0150): the current device is
-/// sm_90 or newer and the environment variable PRESCOPE_CUDA_PDL is not 0 (the A/B switch). Read once per device.
-bool pdl_enabled();
+/// Whether device.cuh's launch_pdl launches `kernel` (one of this library's) with programmatic dependent launch
+/// (decision 0150): the current device is sm_90 or newer, runs code compiled for sm_90 or newer (`kernel`'s PTX
+/// version: every kernel of the library is built for the same architectures), and the environment variable
+/// PRESCOPE_CUDA_PDL is not 0 (the A/B switch). Decided once per device.
+bool pdl_enabled(const void *kernel);
 
 /// After a launcher's kernels: checks the launch (cudaGetLastError) and, with PRESCOPE_SYNC_DEBUG,
 /// synchronizes `stream` and checks again. `op` names the launcher in the error message.

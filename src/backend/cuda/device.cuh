@@ -45,8 +45,8 @@ __device__ __forceinline__ void prefetch_l2(const void *p) {
 #endif
 }
 
-/// `kernel<<<grid, block, smem, stream>>>(args...)`, with programmatic stream serialization when pdl_enabled(): the
-/// kernel must follow pdl_wait()'s contract. The caller checks the launch (launch_check).
+/// `kernel<<<grid, block, smem, stream>>>(args...)`, with programmatic stream serialization when
+/// pdl_enabled(kernel): the kernel must follow pdl_wait()'s contract. The caller checks the launch (launch_check).
 template <class... P, class... A>
 void launch_pdl(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, A &&...args) {
     cudaLaunchAttribute attr{};
@@ -58,7 +58,7 @@ void launch_pdl(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaSt
     config.dynamicSmemBytes = smem;
     config.stream = stream;
     config.attrs = &attr;
-    config.numAttrs = pdl_enabled() ? 1 : 0;
+    config.numAttrs = pdl_enabled(reinterpret_cast<const void *>(kernel)) ? 1 : 0;
     (void)cudaLaunchKernelEx(&config, kernel, std::forward<A>(args)...);  // an error stays for launch_check
 }
 

@@ -165,6 +165,13 @@ cudaError_t cudaGetDevice(int *d);
 cudaError_t cudaGetDeviceProperties(cudaDeviceProp *p, int);
 cudaError_t cudaDeviceGetAttribute(int *v, cudaDeviceAttr, int);
 template <class F> cudaError_t cudaFuncSetAttribute(F, cudaFuncAttribute, int) { return cudaSuccess; }
+struct cudaFuncAttributes {
+    int ptxVersion, binaryVersion;
+};
+inline cudaError_t cudaFuncGetAttributes(cudaFuncAttributes *a, const void *) {
+    a->ptxVersion = a->binaryVersion = 90;
+    return cudaSuccess;
+}
 cudaError_t cudaEventCreate(cudaEvent_t *e);
 cudaError_t cudaEventDestroy(cudaEvent_t e);
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t = nullptr);
