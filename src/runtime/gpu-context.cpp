@@ -235,7 +235,8 @@ void GpuContext::init() {
     const int64_t dq = hp.head_dim_nope + hp.head_dim_rope;  // MLA query head
     const int64_t mla_io = std::max({hp.head_dim_nope, hp.kv_lora_rank, hp.head_dim_v});
 
-    step_routing_bytes_ = device_hits_tokens_ > 0 && config.device_steps ? a256(routing_block(device_hits_tokens_).bytes) : 0;
+    step_routing_bytes_ =
+        device_hits_tokens_ > 0 && config.device_steps ? a256(routing_block(device_hits_tokens_).bytes) : 0;
     auto carve = [&](Carver &c) {
         x_ = c.take<float>(size_t(nb * n_embd));
         hb_ = c.take<float>(size_t(nb * n_embd));

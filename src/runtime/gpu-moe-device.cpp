@@ -211,7 +211,8 @@ void CudaMoeDevice::shared_expert(int32_t layer, int64_t n_tok, int64_t row0) {
 }
 
 void CudaMoeDevice::defer_router(const RouterLaunch &r) {
-    PRESCOPE_ASSERT(!router_held_ && r.copy.dst && r.copy.src && r.copy.side && r.copy.fork && r.copy.done && r.copy.join);
+    const RoutingCopy &c = r.copy;
+    PRESCOPE_ASSERT(!router_held_ && c.dst && c.src && c.side && c.fork && c.done && c.join);
     router_ = r;
     router_held_ = true;
 }

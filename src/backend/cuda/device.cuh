@@ -38,13 +38,6 @@ __device__ __forceinline__ void pdl_trigger() {
 #endif
 }
 
-/// Asks L2 for the 32 bytes at p ahead of a load (no register, no wait).
-__device__ __forceinline__ void prefetch_l2(const void *p) {
-#if defined(__CUDA_ARCH__)
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-#endif
-}
-
 /// `kernel<<<grid, block, smem, stream>>>(args...)`, with programmatic stream serialization when
 /// pdl_enabled(kernel): the kernel must follow pdl_wait()'s contract. The caller checks the launch (launch_check).
 template <class... P, class... A>
@@ -92,22 +85,12 @@ __device__ __forceinline__ float block_sum(float v, float *scratch) {
     return v;
 }
 
-/// The RMSNorm scale 1 / sqrt(mean(x^2) + eps) of the n floats at x (cpu::rms_norm's formula), as every thread of
-/// the block gets it: each thread's FMA chain over elements tid, tid + blockDim.x, ..., block_sum, the division
-/// and root in double. Kernels that share it agree bit for bit at equal block sizes (row_threads(n)).
-/// `scratch`: 32 floats of shared memory.
-__device__ __forceinline__ float rms_scale(const float *x, int64_t n, float eps, float *scratch) {
-    float sum = 0.0f;
-    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) sum = fmaf(x[i], x[i], sum);
-    sum = block_sum(sum, scratch);
-    return float(1.0 / sqrt(double(sum) / double(n) + double(eps)));
-}
-
-/// rms_scale's value for a block of `virt_threads` threads (a multiple of 32, at most 1024), computed by a block of
-/// any size (a multiple of 32): thread t runs the FMA chains of virtual threads t, t + blockDim.x, ..., and the two
-/// reduction stages are block_sum's over the virtual warps, so the result equals rms_scale's in a block of
-/// virt_threads bit for bit (decision 0149: the GEMV normalises its row as rms_norm_kernel would). `scratch`: 32
-/// floats of shared memory. Every thread of the block must call it.
+/// The RMSNorm scale 1 / sqrt(mean(x^2) + eps) of the n floats at x (cpu::rms_norm's formula) as a block of
+/// `virt_threads` threads (a multiple of 32, at most 1024) computes it: virtual thread v's FMA chain over elements
+/// v, v + virt_threads, ..., block_sum's two warp_sum stages over the virtual warps, the division and root in
+/// double. Any block (a multiple of 32 threads) gets that value bit for bit: thread t runs the chains of virtual
+/// threads t, t + blockDim.x, ... (decision 0149: the GEMV normalises its row as rms_norm_kernel would). Every
+/// thread of the block must call it and gets the result. `scratch`: 32 floats of shared memory.
 __device__ __forceinline__ float rms_scale_as(const float *x, int64_t n, float eps, int virt_threads, float *scratch) {
     const int lane = int(threadIdx.x) % kWarp;
     for (int vt0 = 0; vt0 < virt_threads; vt0 += int(blockDim.x)) {
@@ -124,6 +107,12 @@ __device__ __forceinline__ float rms_scale_as(const float *x, int64_t n, float e
     v = warp_sum(v);
     __syncthreads();  // scratch may be reused right after
     return float(1.0 / sqrt(double(v) / double(n) + double(eps)));
+}
+
+/// rms_scale_as at the block's own size: kernels that call it agree bit for bit at equal block sizes
+/// (row_threads(n)). `scratch`: 32 floats of shared memory.
+__device__ __forceinline__ float rms_scale(const float *x, int64_t n, float eps, float *scratch) {
+    return rms_scale_as(x, n, eps, int(blockDim.x), scratch);
 }
 
 /// Maximum over the block; same contract as block_sum.

@@ -166,7 +166,8 @@ __global__ void __launch_bounds__(kMmvThreads, kMmvMinBlocks) mmv_kernel(const M
     // ranges: written by no kernel) stages its first slice before it waits for the kernel before it.
     const bool own_operands = a.w_list[0] == nullptr && a.offsets == nullptr;
     const bool prestage = own_operands && row0 < n_out && a.n_tok > 0 && a.n_tok <= a.max_tok;
-    const uint8_t *w0 = prestage ? matrix(a.glu ? 0 : z) : nullptr, *w1 = prestage && a.glu ? matrix(1) : w0;
+    const uint8_t *w0 = own_operands ? matrix(a.glu ? 0 : z) : nullptr;
+    const uint8_t *w1 = own_operands && a.glu ? matrix(1) : w0;
     const auto out_row = [&](int r) { return a.glu ? row0 + r / 2 : row0 + r; };  // staged row r's output row
     const size_t rb = row_bytes(T, a.n_in);
     const int64_t n_chunks = a.n_in / kChunk;
@@ -201,7 +202,7 @@ __global__ void __launch_bounds__(kMmvThreads, kMmvMinBlocks) mmv_kernel(const M
     const int32_t p_end = a.offsets != nullptr ? a.offsets[blockIdx.y + 1] : a.n_tok;
     if (p_end <= p_begin || p_end - p_begin > a.max_tok) return;  // uniform over the block
     if (row0 >= n_out) return;  // a shorter part of the launch (uniform over the block)
-    w0 = matrix(a.glu ? 0 : z), w1 = a.glu ? matrix(1) : w0;
+    if (!own_operands) w0 = matrix(a.glu ? 0 : z), w1 = a.glu ? matrix(1) : w0;  // the expert table, after the wait
     pdl_trigger();  // the next kernel may launch (and wait) once every block got here or returned
 
     constexpr bool kIntDot = T == DType::Q8_0 && NT == 1;
@@ -224,7 +225,8 @@ __global__ void __launch_bounds__(kMmvThreads, kMmvMinBlocks) mmv_kernel(const M
         if (!prestage || p0 != p_begin) stage(0, 0);
         // The row's RMSNorm scale (one token: quant_in), while slice 0 loads; then x[i] is read as norm[i] * (x[i] *
         // scale), rms_norm_kernel's expression.
-        const float norm_scale = a.norm != nullptr ? rms_scale_as(xr[0], a.n_in, a.eps, a.norm_threads, norm_scratch) : 0.0f;
+        const float norm_scale =
+            a.norm != nullptr ? rms_scale_as(xr[0], a.n_in, a.eps, a.norm_threads, norm_scratch) : 0.0f;
         const auto normalise = [&](int64_t c, float v[kChunk]) {
             if (a.norm == nullptr) return;
             const float4 *np = reinterpret_cast<const float4 *>(a.norm + c * kChunk);

@@ -346,15 +346,11 @@ static_assert(row_threads(int64_t(1) << 40) <= kMaxBlockThreads, "moe_router's b
 // as rms_norm_kernel; block (0, t) also writes it to h) and computes the logits of experts b * W .. b * W + W - 1,
 // W = its warps, one warp per expert with the GEMV kernel's F32 chains (lane l: chunks of 8 at l, l + 32, ..., then
 // warp_sum), so h and the logits equal rms_norm + matmul bit for bit. A lane loads kRouterBatch chunks of its
-// expert's row before it multiplies them (one latency, not four): the first batch before it waits for the kernel
-// before it (launch_pdl), with the norm weights and an L2 prefetch of the rest of the row, so that the norm's loads
-// and reductions are all that remains once x is there. The last block to finish (a ticket counter,
+// expert's row before it multiplies them (the whole 8 KiB row at n_embd 2048: one latency, not eight), the first
+// batch before the norm, whose reductions then hide that load's latency. The last block to finish (a ticket counter,
 // reset by it for the next launch) routes every token, as router_topk, and resolves the slots (the table updates
 // applied while it routes).
-constexpr int kRouterBatch = 4;
-constexpr int kRouterRowPerThread = 16;  // row elements per thread: n_embd / row_threads(n_embd) <= 8192 / 512
-static_assert(kMoeRouterMaxEmbd <= kRouterRowPerThread * row_threads(kMoeRouterMaxEmbd) &&
-              4096 <= kRouterRowPerThread * row_threads(4095), "moe_router: the row must fit the registers");
+constexpr int kRouterBatch = 8;
 
 template <int L>
 __global__ void __launch_bounds__(kMaxBlockThreads)
@@ -376,40 +372,14 @@ __global__ void __launch_bounds__(kMaxBlockThreads)
             if (c < n_chunks) wv[b][0] = __ldg(w + 2 * c), wv[b][1] = __ldg(w + 2 * c + 1);
         }
     };
-    // The thread's elements i = tid + j * blockDim.x of the row: the norm weights (written by no kernel) into hs
-    // before the wait, then x into registers, all loads in flight at once; rms_scale's chain and expressions on them.
-    const int64_t tid = threadIdx.x, n_threads = blockDim.x;
-    float xv[kRouterRowPerThread];
-#pragma unroll
-    for (int j = 0; j < kRouterRowPerThread; ++j) {
-        const int64_t i = tid + j * n_threads;
-        if (i < n) hs[i] = __ldg(a.norm + i);
-    }
-    if (e < a.n_expert) {  // the router's weights: written by no kernel
-        load_batch(lane);
-        for (int64_t c = lane + kRouterBatch * kWarp; c < n_chunks; c += kWarp) prefetch_l2(w + 2 * c);
-    }
+    if (e < a.n_expert) load_batch(lane);  // the router's weights: written by no kernel
     pdl_wait();
     pdl_trigger();
 
     const float *xr = a.x + t * n;
-#pragma unroll
-    for (int j = 0; j < kRouterRowPerThread; ++j) {
-        const int64_t i = tid + j * n_threads;
-        xv[j] = i < n ? xr[i] : 0.0f;
-    }
-    float sum = 0.0f;
-#pragma unroll
-    for (int j = 0; j < kRouterRowPerThread; ++j) {
-        if (tid + j * n_threads < n) sum = fmaf(xv[j], xv[j], sum);
-    }
-    sum = block_sum(sum, scratch);
-    const float scale = float(1.0 / sqrt(double(sum) / double(n) + double(a.eps)));  // rms_scale's
-#pragma unroll
-    for (int j = 0; j < kRouterRowPerThread; ++j) {
-        const int64_t i = tid + j * n_threads;
-        if (i >= n) continue;
-        const float v = hs[i] * (xv[j] * scale);  // hs[i]: this thread's norm weight
+    const float scale = rms_scale(xr, n, a.eps, scratch);
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+        const float v = a.norm[i] * (xr[i] * scale);
         hs[i] = v;
         if (blockIdx.x == 0) a.h[t * n + i] = v;
     }
@@ -564,7 +534,9 @@ void moe_router(const MoeRouterArgs &a, const RouterSpec &spec, cudaStream_t str
                 const int32_t *index, const void *const *data, int64_t n_updates) {
     check_router(a.n_expert, a.k, spec);
     CUDA_ASSERT(a.n_tok >= 1 && a.n_tok <= kMoeRouterMaxTokens && a.n_embd > 0 && a.n_embd % kChunk == 0);
-    if (a.n_embd > kMoeRouterMaxEmbd) cuda_unsupported("moe_router: n_embd must be at most 8192 (the row in shared memory)");
+    if (a.n_embd > kMoeRouterMaxEmbd) {
+        cuda_unsupported("moe_router: n_embd must be at most 8192 (the row in shared memory)");
+    }
     CUDA_ASSERT(reinterpret_cast<uintptr_t>(a.w) % 16 == 0 && a.counter != nullptr);
     const int threads = row_threads(a.n_embd);  // rms_norm_kernel's block, for its scale bit for bit
     RouterResolve r{};
