@@ -1003,16 +1003,20 @@ struct SoftmaxCase : Case {
 };
 
 struct RouterCase : Case {
+    /// The logits: uniform in [-4, 4]; from {-1, 0, 1, 2} (ties); from {NaN, -inf, -1, -0, +0, 1, 2} (the order's
+    /// special values: NaN last, -0 equal to +0; compared bit for bit, as NaN fails a normalised MSE).
+    enum LogitSet { kUniform = 0, kTies = 1, kSpecials = 2 };
     int64_t n_tok, n_expert, k;
     cpu::RouterSpec spec;  // bias pointers set from `biased`
-    bool biased, ties;  // biased: random logit and selection biases; ties: logits from {-1, 0, 1, 2}
+    bool biased;  // random logit and selection biases
+    int logits_from;  // a LogitSet
     std::vector<float> logits, lbias, sbias, probs_ref, w_ref;
     std::vector<int32_t> ids_ref;
     DevBuf dlogits, dlbias, dsbias, dprobs, dids, dw;
-    RouterCase(int64_t nt, int64_t ne, int64_t kk, cpu::RouterSpec sp, bool bi = false, bool ti = false)
-        : n_tok(nt), n_expert(ne), k(kk), spec(sp), biased(bi), ties(ti) {}
-    RouterCase(int64_t nt, int64_t ne, int64_t kk, bool renorm, bool ti = false)
-        : RouterCase(nt, ne, kk, renorm_spec(renorm), false, ti) {}
+    RouterCase(int64_t nt, int64_t ne, int64_t kk, cpu::RouterSpec sp, bool bi = false, int from = kUniform)
+        : n_tok(nt), n_expert(ne), k(kk), spec(sp), biased(bi), logits_from(from) {}
+    RouterCase(int64_t nt, int64_t ne, int64_t kk, bool renorm, int from = kUniform)
+        : RouterCase(nt, ne, kk, renorm_spec(renorm), false, from) {}
     static cpu::RouterSpec renorm_spec(bool renorm) {
         cpu::RouterSpec s;
         s.renorm = renorm;
@@ -1024,12 +1028,15 @@ struct RouterCase : Case {
         return strf("n_tok=%lld,n_expert=%lld,k=%lld,score=%s,groups=%d/%d,renorm=%d,softmax_topk=%d,scale=%g%s%s",
                     (long long)n_tok, (long long)n_expert, (long long)k, score[int(spec.score)], spec.n_group_used,
                     spec.n_group, int(spec.renorm), int(spec.softmax_topk), double(spec.scale),
-                    biased ? ",biased" : "", ties ? ",ties" : "");
+                    biased ? ",biased" : "", logits_from == kTies ? ",ties" : logits_from == kSpecials ? ",specials" : "");
     }
     void init(Rng &rng) override {
         logits = rng.floats(size_t(n_tok * n_expert), -4.0f, 4.0f);
-        if (ties)
-            for (float &v : logits) v = float(rng.below(4) - 1);
+        const float specials[] = {NAN, -INFINITY, -1.0f, -0.0f, 0.0f, 1.0f, 2.0f};
+        for (float &v : logits) {
+            if (logits_from == kTies) v = float(rng.below(4) - 1);
+            if (logits_from == kSpecials) v = specials[rng.below(7)];
+        }
         lbias = rng.floats(size_t(n_expert), -1.0f, 1.0f), sbias = rng.floats(size_t(n_expert), -0.3f, 0.3f);
         dlogits = DevBuf(logits), dprobs = DevBuf(logits.size() * 4), dlbias = DevBuf(lbias), dsbias = DevBuf(sbias);
         dids = DevBuf(size_t(n_tok * k) * 4), dw = DevBuf(size_t(n_tok * k) * 4);
@@ -1051,6 +1058,10 @@ struct RouterCase : Case {
                         dw.as<float>(), g_stream);
     }
     std::vector<Check> compare() override {
+        if (logits_from == kSpecials) {
+            return {exact("ids", dids.download<int32_t>(), ids_ref), exact("weights", dw.download<float>(), w_ref),
+                    exact("probs", dprobs.download<float>(), probs_ref)};
+        }
         return {exact("ids", dids.download<int32_t>(), ids_ref), nmse("weights", dw.download<float>(), w_ref, kTight),
                 nmse("probs", dprobs.download<float>(), probs_ref, kTight)};
     }
@@ -1624,6 +1635,7 @@ CaseList test_cases() {
         add<MoeRouterResolveCase>(l, 3, 256, 32, 4, mixtral, 32, true);    // several tokens (12 pairs), a block of 128
         add<MoeRouterResolveCase>(l, 8, 512, 60, 4, topk_softmax, 20, false);  // 32 pairs: the last of one warp
         add<MoeRouterResolveCase>(l, 8, 512, 64, 8, renorm, 40, false);       // 64 pairs: the block's scan
+        add<MoeRouterResolveCase>(l, 1, 4096, 8, 2, renorm, 8, true);         // Mixtral decode: a whole step
     }
     {
         cpu::RouterSpec v3;  // DeepSeek-V3: sigmoid, selection bias, 8 groups keep 4, renorm, scale 2.5
@@ -1639,6 +1651,10 @@ CaseList test_cases() {
         oss.score = cpu::RouterScore::LOGITS, oss.softmax_topk = true;
         add<RouterCase>(l, 7, 32, 4, oss, true);
         add<RouterCase>(l, 2, 128, 4, oss, true, true);
+        cpu::RouterSpec raw;  // the logits themselves: every pick's value compared bit for bit
+        raw.score = cpu::RouterScore::LOGITS;
+        add<RouterCase>(l, 6, 32, 32, raw, false, RouterCase::kSpecials);   // every rank: NaN last, -0 = +0
+        add<RouterCase>(l, 3, 256, 16, raw, false, RouterCase::kSpecials);  // 8 a lane
     }
 
     for (const char *name : {"swiglu", "swiglu_oai", "add", "scale_add", "add_bias"}) {
@@ -1684,6 +1700,12 @@ CaseList perf_cases() {
     add<AttentionCase>(l, 512, 0, 32, 4, 128);
     add<RouterCase>(l, 1, 128, 8, true);
     add<RouterCase>(l, 512, 128, 8, true);
+    {
+        cpu::RouterSpec renorm;
+        renorm.renorm = true;
+        add<MoeRouterCase>(l, 1, 2048, 128, 8, renorm);                // Qwen3-30B-A3B decode: norm, router, top-k
+        add<MoeRouterResolveCase>(l, 1, 2048, 128, 8, renorm, 64, false);  // and the slots resolved in the launch
+    }
     add<RmsNormCase>(l, 1, 2048);
     add<RmsNormCase>(l, 512, 2048);
     add<RopeCase>(l, 512, 32, 128, cpu::RopeMode::NEOX, 1e6f, 4096);

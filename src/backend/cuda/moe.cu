@@ -17,39 +17,49 @@ namespace {
 constexpr int kRouterWarps = 4;
 constexpr int kRouterMaxK = 32;
 
-// cpu::top_k's order: larger first, NaN after every number, ties to the lower id. A total order, so
-// every lane of a butterfly reduction ends with the same winner.
-__device__ __forceinline__ bool ranks_before(float a, int ia, float b, int ib) {
-    const bool na = isnan(a), nb = isnan(b);
-    if (na != nb) return nb;
-    if (!na && a != b) return a > b;
-    return ia < ib;
+// cpu::top_k's order as one unsigned 64-bit key, larger first: the value's order bits (its bits made to sort as
+// unsigned: NaN below every number, -0 as +0), then the complement of the id, so that ties go to the lower id. A
+// total order, so every lane of a butterfly max ends with the same winner, in two shuffles and one comparison a
+// level. Order bits 0 are below every value's (1 is NaN's): an expert already picked, or none.
+__device__ __forceinline__ uint32_t order_bits(float x) {
+    const uint32_t u = __float_as_uint(x);
+    return isnan(x) ? 1u : x == 0.0f ? 0x80000000u : (u & 0x80000000u) ? ~u : u | 0x80000000u;
 }
 
-/// The better of two (value, id) candidates, id INT_MAX meaning none.
-__device__ __forceinline__ void take_better(float &bv, int &bi, float &bw, float ov, int oi, float ow) {
-    if (oi != INT_MAX && (bi == INT_MAX || ranks_before(ov, oi, bv, bi))) {
-        bv = ov;
-        bi = oi;
-        bw = ow;
-    }
+__device__ __forceinline__ uint64_t rank_key(uint32_t bits, int id) { return uint64_t(bits) << 32 | uint32_t(~id); }
+
+__device__ __forceinline__ uint64_t rank_key(float x, int id) { return rank_key(order_bits(x), id); }
+
+/// The id of a rank_key.
+__device__ __forceinline__ int key_id(uint64_t key) { return int(~uint32_t(key)); }
+
+/// The value of a rank_key (NaN as the canonical NaN, -0 as +0).
+__device__ __forceinline__ float key_value(uint64_t key) {
+    const uint32_t v = uint32_t(key >> 32);
+    return v <= 1 ? __uint_as_float(0x7fc00000u) : __uint_as_float(v & 0x80000000u ? v & 0x7fffffffu : ~v);
 }
 
-/// The warp's best (value, id, weight) of each lane's candidate: every lane ends with the winner.
-__device__ __forceinline__ void warp_best(float &bv, int &bi, float &bw) {
+/// The largest key of the warp: every lane ends with it.
+__device__ __forceinline__ uint64_t warp_max_key(uint64_t key) {
 #pragma unroll
     for (int o = kWarp / 2; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, bv, o), ow = __shfl_xor_sync(0xffffffffu, bw, o);
-        const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-        take_better(bv, bi, bw, ov, oi, ow);
+        const uint64_t other = __shfl_xor_sync(0xffffffffu, key, o);
+        key = other > key ? other : key;
     }
+    return key;
 }
 
+/// One lane's share of a token's routing (route_token): lane j < k holds pick j.
+struct Pick {
+    int id;
+    float weight;
+};
+
 /// Token t's routing from its logits row, by one warp (lane l holds experts l, l + 32, ...): probs row t (or
-/// nullptr), ids and weights rows t. The row is read past L1 (__ldcg): in moe_router it was written by other
-/// blocks of the same launch.
+/// nullptr), ids and weights rows t; lane j < k also returns pick j. The row is read past L1 (__ldcg): in
+/// moe_router it was written by other blocks of the same launch.
 template <int L>
-__device__ __forceinline__ void route_token(const float *__restrict__ row, int64_t t, int n_expert, int k,
+__device__ __forceinline__ Pick route_token(const float *__restrict__ row, int64_t t, int n_expert, int k,
                                             const RouterSpec &spec, float *probs, int32_t *ids, float *weights) {
     const int lane = int(threadIdx.x) % kWarp;
 
@@ -58,7 +68,8 @@ __device__ __forceinline__ void route_token(const float *__restrict__ row, int64
 #pragma unroll
     for (int i = 0; i < L; ++i) {
         const int e = i * kWarp + lane;
-        v[i] = e < n_expert ? __ldcg(row + e) + (spec.logit_bias ? spec.logit_bias[e] : 0.0f) : -INFINITY;
+        v[i] = e < n_expert ? __ldcg(row + e) : -INFINITY;
+        if (spec.logit_bias && e < n_expert) v[i] += spec.logit_bias[e];  // not + 0: -0 stays -0, as on the CPU
     }
     if (spec.score == RouterScore::SOFTMAX) {
         float mx = -INFINITY;
@@ -97,38 +108,29 @@ __device__ __forceinline__ void route_token(const float *__restrict__ row, int64
     }
     if (spec.n_group > 1) {
         const int per_group = n_expert / spec.n_group;
-        float my_score = 0.0f;  // lane g: group g's sum of its two best choosing scores
+        uint64_t group_key = 0;  // lane g: group g's score (the sum of its two best choosing scores) as a rank_key
         for (int g = 0; g < spec.n_group; ++g) {
-            float b1 = 0.0f, b2 = 0.0f, unused = 0.0f;
-            int i1 = INT_MAX, i2 = INT_MAX;
+            uint64_t b1 = 0, b2 = 0;  // the lane's best two of group g
 #pragma unroll
             for (int i = 0; i < L; ++i) {
                 const int e = i * kWarp + lane;
                 if (e >= n_expert || e / per_group != g) continue;
-                if (i1 == INT_MAX || ranks_before(c[i], e, b1, i1)) {
-                    b2 = b1, i2 = i1;
-                    b1 = c[i], i1 = e;
-                } else if (i2 == INT_MAX || ranks_before(c[i], e, b2, i2)) {
-                    b2 = c[i], i2 = e;
+                const uint64_t key = rank_key(c[i], e);
+                if (key > b1) {
+                    b2 = b1;
+                    b1 = key;
+                } else if (key > b2) {
+                    b2 = key;
                 }
             }
             // The group's best, then its second: the best of what is left once the winner is removed.
-            float w1 = b1;
-            int j1 = i1;
-            warp_best(w1, j1, unused);
-            const bool won = i1 == j1 && i1 != INT_MAX;
-            float r = won ? b2 : b1;
-            int ri = won ? i2 : i1;
-            warp_best(r, ri, unused);
-            if (lane == g) my_score = w1 + r;
+            const uint64_t w1 = warp_max_key(b1);
+            const uint64_t w2 = warp_max_key(b1 == w1 ? b2 : b1);
+            if (lane == g) group_key = rank_key(key_value(w1) + key_value(w2), g);
         }
         uint32_t keep = 0;
-        for (int r = 0; r < spec.n_group_used; ++r) {
-            float bv = my_score, bw = 0.0f;
-            int bi = lane < spec.n_group && !((keep >> lane) & 1u) ? lane : INT_MAX;
-            warp_best(bv, bi, bw);
-            keep |= 1u << bi;
-        }
+        for (int r = 0; r < spec.n_group_used; ++r)
+            keep |= 1u << key_id(warp_max_key((keep >> lane) & 1u ? 0 : group_key));
 #pragma unroll
         for (int i = 0; i < L; ++i) {
             const int e = i * kWarp + lane;
@@ -136,23 +138,33 @@ __device__ __forceinline__ void route_token(const float *__restrict__ row, int64
         }
     }
 
-    // k rounds of a warp arg-max over c; the weight is the winner's v.
-    uint32_t taken = 0;  // bit i: expert i * 32 + lane already picked
-    float w = 0.0f;      // lane j < k: the j-th pick's weight
+    // k rounds of a warp max over the keys of c; the weight is the winner's v, from the winner's lane.
+    uint32_t bits[L];  // c's order bits; 0 once picked, and for no expert
+#pragma unroll
+    for (int i = 0; i < L; ++i) bits[i] = i * kWarp + lane < n_expert ? order_bits(c[i]) : 0u;
+    float w = 0.0f;  // lane j < k: the j-th pick's weight
     int pick_id = 0;
     for (int r = 0; r < k; ++r) {
-        float bv = 0.0f, bw = 0.0f;
-        int bi = INT_MAX;  // INT_MAX: no candidate
+        uint64_t best = 0;
 #pragma unroll
         for (int i = 0; i < L; ++i) {
-            const int e = i * kWarp + lane;
-            if (e < n_expert && !((taken >> i) & 1u)) take_better(bv, bi, bw, c[i], e, v[i]);
+            const uint64_t key = rank_key(bits[i], i * kWarp + lane);
+            best = key > best ? key : best;
         }
-        warp_best(bv, bi, bw);
-        if (bi % kWarp == lane) taken |= 1u << (bi / kWarp);
+        best = warp_max_key(best);
+        const int id = key_id(best);
+        float bw = 0.0f;  // on the winner's lane: its weight
+#pragma unroll
+        for (int i = 0; i < L; ++i) {
+            if (i * kWarp + lane == id) {
+                bw = v[i];
+                bits[i] = 0;
+            }
+        }
+        bw = __shfl_sync(0xffffffffu, bw, id % kWarp);
         if (lane == r) {
             w = bw;
-            pick_id = bi;
+            pick_id = id;
         }
     }
     if (spec.softmax_topk) {
@@ -174,6 +186,7 @@ __device__ __forceinline__ void route_token(const float *__restrict__ row, int64
         ids[t * k + lane] = pick_id;
         weights[t * k + lane] = w;
     }
+    return {pick_id, w};
 }
 
 template <int L>
@@ -222,18 +235,20 @@ __device__ void resolve_tails(const DeviceHitsArgs &a, int total_groups, int tot
     for (int q = total_pairs + i; q < n_pairs; q += n) a.rows[q] = 0;
 }
 
-/// Resolves a (resolve_device_hits' contract) with one warp, lane p holding pair p: for n_tok * k <= 32, the
-/// decode case, without the block's scan and its barriers. Pair p's expert e is resident when its table entry is set;
-/// the lowest pair of each resident expert leads its group; pair p's number is the count of resident pairs of lower
-/// experts and of e's lower pairs, its group's the count of groups of lower experts: resolve_in_block's numbering.
-/// Every lane of the warp must call it.
-__device__ void resolve_in_warp(const DeviceHitsArgs &a) {
+/// Expert e's entry in a.table's row of a.layer: its slot bytes, or nullptr (not resident, or e not an expert).
+__device__ __forceinline__ const void *table_entry(const DeviceHitsArgs &a, int e) {
+    return e >= 0 && e < a.n_expert ? a.table[a.layer * a.n_expert + e] : nullptr;
+}
+
+/// Resolves a (resolve_device_hits' contract) with one warp, lane p holding pair p: its expert e (INT_MAX for p >=
+/// n_tok * k), routing weight w and table entry slot (table_entry(a, e), read by the caller, which may have it
+/// early); for n_tok * k <= 32, the decode case, without the block's scan and its barriers. Pair p's expert is
+/// resident when slot is set; the lowest pair of each resident expert leads its group; pair p's number is the count
+/// of resident pairs of lower experts and of e's lower pairs, its group's the count of groups of lower experts:
+/// resolve_in_block's numbering. Every lane of the warp must call it.
+__device__ void resolve_in_warp(const DeviceHitsArgs &a, int e, float w, const void *slot) {
     const int lane = int(threadIdx.x) % kWarp;
     const int n_pairs = int(a.n_tok * a.k);
-    const void *const *row = a.table + a.layer * a.n_expert;
-    const bool have = lane < n_pairs;
-    const int e = have ? a.ids[lane] : INT_MAX;
-    const void *slot = have && e >= 0 && e < a.n_expert ? row[e] : nullptr;
     const bool resident = slot != nullptr;
     int pair = 0, group = 0, total_pairs = 0, total_groups = 0;
     bool first = true;  // no lower pair has e
@@ -262,7 +277,7 @@ __device__ void resolve_in_warp(const DeviceHitsArgs &a) {
         const int t = lane / int(a.k), j = lane - t * int(a.k);
         if (a.pair_ids) {
             a.pair_ids[t * a.k_comb + j] = pair;
-            a.weights[t * a.k_comb + j] = a.weights_in[lane];
+            a.weights[t * a.k_comb + j] = w;
         }
         a.rows[pair] = int32_t(t);
     }
@@ -277,7 +292,11 @@ __device__ void resolve_in_block(const DeviceHitsArgs &a, int32_t *s_pairs, int3
     const int n_pairs = int(a.n_tok * a.k);
     if (n_pairs == 0) return;  // uniform
     if (n_pairs <= kWarp) {
-        if (tid < kWarp) resolve_in_warp(a);
+        if (tid < kWarp) {
+            const bool have = tid < n_pairs;
+            const int e = have ? a.ids[tid] : INT_MAX;
+            resolve_in_warp(a, e, have && a.pair_ids ? a.weights_in[tid] : 0.0f, table_entry(a, e));
+        }
         return;
     }
     const void *const *row = a.table + a.layer * a.n_expert;
@@ -332,9 +351,12 @@ __global__ void __launch_bounds__(kResolveThreads) resolve_device_hits_kernel(co
     resolve_in_block(a, s_pairs, s_groups);
 }
 
-/// The slot resolution moe_router's last block runs after the routing (on = false: none).
+/// The slot resolution moe_router's last block runs after the routing (on = false: none). from_routing: one token of
+/// at most kFromRoutingMaxExperts experts, and a's ids and weights_in are the router's own (or weights_in unused), so
+/// the routing warp resolves its picks from registers, with the table entries of its experts read while it routes.
+constexpr int kFromRoutingMaxExperts = 8 * kWarp;  // 8 entries a lane: more would spill
 struct RouterResolve {
-    bool on;
+    bool on, from_routing;
     DeviceHitsArgs a;
     UpdateBatch u;
 };
@@ -348,8 +370,8 @@ static_assert(row_threads(int64_t(1) << 40) <= kMaxBlockThreads, "moe_router's b
 // warp_sum), so h and the logits equal rms_norm + matmul bit for bit. A lane loads kRouterBatch chunks of its
 // expert's row before it multiplies them (the whole 8 KiB row at n_embd 2048: one latency, not eight), the first
 // batch before the norm, whose reductions then hide that load's latency. The last block to finish (a ticket counter,
-// reset by it for the next launch) routes every token, as router_topk, and resolves the slots (the table updates
-// applied while it routes).
+// reset by it for the next launch) applies the table updates, routes every token, as router_topk, and resolves the
+// slots (one token: from the routing warp's registers, RouterResolve::from_routing).
 constexpr int kRouterBatch = 8;
 
 template <int L>
@@ -411,12 +433,32 @@ __global__ void __launch_bounds__(kMaxBlockThreads)
     __syncthreads();
     if (!last) return;
     __threadfence();
-    if (r.on) apply_updates(r.a, r.u);
-    for (int64_t tt = warp; tt < a.n_tok; tt += n_warps)
-        route_token<L>(a.logits + tt * a.n_expert, tt, a.n_expert, a.k, spec, nullptr, a.ids, a.weights);
     if (r.on) {
-        __syncthreads();  // the table updates and the ids and weights just written are visible to the block
-        resolve_in_block(r.a, s_pairs, s_groups);
+        apply_updates(r.a, r.u);
+        __syncthreads();  // the table updates are visible to the block
+    }
+    if (L * kWarp <= kFromRoutingMaxExperts && r.on && r.from_routing) {
+        if (warp == 0) {
+            uint64_t slot[L];  // lane l: the table entries of experts l, l + 32, ..., loaded while the warp routes
+#pragma unroll
+            for (int i = 0; i < L; ++i) slot[i] = reinterpret_cast<uintptr_t>(table_entry(r.a, i * kWarp + lane));
+            const Pick p = route_token<L>(a.logits, 0, a.n_expert, a.k, spec, nullptr, a.ids, a.weights);
+            uint64_t mine = 0;  // lane j < k: pick j's entry, from the lane that holds it
+#pragma unroll
+            for (int i = 0; i < L; ++i) {
+                const uint64_t got = __shfl_sync(0xffffffffu, slot[i], p.id % kWarp);
+                if (p.id / kWarp == i) mine = got;
+            }
+            const bool have = lane < a.k;
+            resolve_in_warp(r.a, have ? p.id : INT_MAX, p.weight, have ? reinterpret_cast<const void *>(mine) : nullptr);
+        }
+    } else {
+        for (int64_t tt = warp; tt < a.n_tok; tt += n_warps)
+            route_token<L>(a.logits + tt * a.n_expert, tt, a.n_expert, a.k, spec, nullptr, a.ids, a.weights);
+        if (r.on) {
+            __syncthreads();  // the ids and weights just written are visible to the block
+            resolve_in_block(r.a, s_pairs, s_groups);
+        }
     }
     if (threadIdx.x == 0) *a.counter = 0;
 }
@@ -546,6 +588,8 @@ void moe_router(const MoeRouterArgs &a, const RouterSpec &spec, cudaStream_t str
         if (r.on) {
             r.a = *resolve;
             r.u = update_batch(index, data, 0, n_updates);
+            r.from_routing = a.n_tok == 1 && a.n_expert <= kFromRoutingMaxExperts && r.a.n_tok == 1 && r.a.k == a.k && r.a.n_expert == a.n_expert &&
+                             r.a.ids == a.ids && (r.a.pair_ids == nullptr || r.a.weights_in == a.weights);
         }
     }
     const dim3 grid(unsigned(ceil_div(a.n_expert, threads / kWarp)), unsigned(a.n_tok));

@@ -101,6 +101,11 @@ inline float __uint_as_float(uint32_t u) {
     std::memcpy(&f, &u, 4);
     return f;
 }
+inline uint32_t __float_as_uint(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    return u;
+}
 inline float __int_as_float(int32_t i) {
     float f;
     std::memcpy(&f, &i, 4);
