@@ -1028,7 +1028,8 @@ struct RouterCase : Case {
         return strf("n_tok=%lld,n_expert=%lld,k=%lld,score=%s,groups=%d/%d,renorm=%d,softmax_topk=%d,scale=%g%s%s",
                     (long long)n_tok, (long long)n_expert, (long long)k, score[int(spec.score)], spec.n_group_used,
                     spec.n_group, int(spec.renorm), int(spec.softmax_topk), double(spec.scale),
-                    biased ? ",biased" : "", logits_from == kTies ? ",ties" : logits_from == kSpecials ? ",specials" : "");
+                    biased ? ",biased" : "",
+                    logits_from == kTies ? ",ties" : logits_from == kSpecials ? ",specials" : "");
     }
     void init(Rng &rng) override {
         logits = rng.floats(size_t(n_tok * n_expert), -4.0f, 4.0f);
@@ -1469,6 +1470,7 @@ CaseList test_cases() {
         add<MatmulCase>(l, t, 256, 8192, 4);
     }
     add<MatmulCase>(l, DType::Q8_0, 2048, 768, 1, P::GEMV, 2);     // Q8_0 rows off 16-byte alignment
+    add<MatmulCase>(l, DType::Q8_0, 256, 37, 1);                   // 16 rows a block: the last one holds 5
     add<MatmulCase>(l, DType::Q8_0, 2048, 768, 100, P::CUBLAS, 6);
     add<MatmulCase>(l, DType::Q8_0, 2048, 16384, 40, P::CUBLAS);   // dequantized in two pieces
     // q/k/v in one call (heights as Qwen3-30B-A3B's 4096 / 512 / 512, scaled), both paths, other dtypes
@@ -1533,6 +1535,7 @@ CaseList test_cases() {
     add<MoeFfnCase>(l, DType::F32, 64, 32, 128, 8, 6);
     // the SwiGLU in the gate/up product's epilogue: decode, a few tokens per expert, some experts on cuBLAS
     add<MoeFfnCase>(l, DType::Q8_0, 2048, 768, 128, 8, 1, true);
+    add<MoeFfnCase>(l, DType::Q8_0, 512, 256, 32, 4, 1, true);  // gate+up of one slice: 8 output rows a block
     add<MoeFfnCase>(l, DType::Q4_K, 256, 256, 32, 4, 17, true);
     add<MoeFfnCase>(l, DType::Q8_0, 2048, 768, 128, 8, 48, true);
     add<MoeFfnCase>(l, DType::F32, 64, 32, 128, 8, 6, true);

@@ -22,8 +22,8 @@ namespace prescope::cuda {
 namespace {
 
 // ---------------------------------------------------------------------------------------------
-// GEMV: a block computes 8 output rows (2 per warp) for up to 8 tokens. The rows are streamed through
-// shared memory in slices with 16-byte cp.async copies, two stages deep, so loads stay coalesced and
+// GEMV: a block computes 8 output rows (2 per warp; see kMmvShortRowsPerWarp) for up to 8 tokens. The rows are
+// streamed through shared memory in slices with 16-byte cp.async copies, two stages deep, so loads stay coalesced and
 // in flight whatever the dtype (a Q8_0 block is 34 bytes: 16-byte loads straight into registers
 // would straddle blocks). Each lane then converts 8 weights at a time to F32 in registers and
 // multiplies them with the tokens' activations (read through L1: all warps of a block share them), or, for one
@@ -34,6 +34,11 @@ constexpr int kMmvThreads = 128;
 constexpr int kMmvWarps = kMmvThreads / kWarp;
 constexpr int kMmvRowsPerWarp = 2;
 constexpr int kMmvRows = kMmvWarps * kMmvRowsPerWarp;
+// One token against Q8_0 rows of one slice (the integer path; a Qwen3-30B-A3B expert's down matrix, 768 wide) stages
+// 16 rows a block, 4 a warp, in the room of the two stages it does not need: half the blocks and warps, each block
+// quantizing the token once, so the launch takes one wave of blocks where it took two (the 64 registers a thread has
+// hold 32 warps an SM). The float path's 4 rows of converted weights would not fit those registers.
+constexpr int kMmvShortRowsPerWarp = 4;
 constexpr int kMmvMaxTokens = 8;  // tokens per pass over the weights
 constexpr int kMmvMinBlocks = 8;   // per SM: caps registers at 64, so 32 warps can hide load latency
 
@@ -150,15 +155,19 @@ __device__ __forceinline__ void quantize_chunk(float v[kChunk]) {
     }
 }
 
-template <DType T, int NT>
+/// R: rows a warp computes (kMmvRowsPerWarp, or kMmvShortRowsPerWarp for the integer path's rows of one slice: its
+/// 4 * R rows fill both stages' room).
+template <DType T, int NT, int R>
 __global__ void __launch_bounds__(kMmvThreads, kMmvMinBlocks) mmv_kernel(const MmvArgs a) {
+    constexpr int kRows = kMmvWarps * R;
+    static_assert(kRows * kRowStride<T> <= kMmvSmemBytes<T>);
     extern __shared__ __align__(16) uint8_t smem[];
     __shared__ float norm_scratch[kWarp];
-    // The block's 8 staged rows: rows row0 .. row0 + 7 of part z, or (glu) gate and up rows alternating, so that
-    // each warp holds the gate and up rows of one output row.
+    // The block's kRows staged rows: rows row0 .. row0 + kRows - 1 of part z, or (glu) gate and up rows alternating, so
+    // that each warp holds the gate and up rows of R / 2 output rows.
     const int z = int(blockIdx.z);
     const int64_t n_out = a.n_out[z];
-    const int64_t row0 = int64_t(blockIdx.x) * (a.glu ? kMmvRows / 2 : kMmvRows);
+    const int64_t row0 = int64_t(blockIdx.x) * (a.glu ? kRows / 2 : kRows);
     const auto matrix = [&](int part) {
         return static_cast<const uint8_t *>(a.w_list[0] != nullptr ? a.w_list[part][blockIdx.y] : a.w[part]);
     };
@@ -186,7 +195,7 @@ __global__ void __launch_bounds__(kMmvThreads, kMmvMinBlocks) mmv_kernel(const M
         const uintptr_t nb = row_bytes(T, nc * kChunk);
         uint8_t *dst = smem + buf * kStageBytes<T>;
         constexpr int kPieces = kRowStride<T> / 16;
-        for (int i = int(threadIdx.x); i < kMmvRows * kPieces; i += kMmvThreads) {
+        for (int i = int(threadIdx.x); i < kRows * kPieces; i += kMmvThreads) {
             const int r = i / kPieces, j = i % kPieces;
             if (out_row(r) >= n_out) break;  // i ascends, so do the rows
             const uintptr_t src = slice_src(r, s), base = src & ~uintptr_t(15);
@@ -206,6 +215,8 @@ __global__ void __launch_bounds__(kMmvThreads, kMmvMinBlocks) mmv_kernel(const M
     pdl_trigger();  // the next kernel may launch (and wait) once every block got here or returned
 
     constexpr bool kIntDot = T == DType::Q8_0 && NT == 1;
+    constexpr bool kIntDotOnly = R != kMmvRowsPerWarp;  // short rows: launched with int_dot only (no float path)
+    static_assert(!kIntDotOnly || kIntDot);
     int8_t *const xq = reinterpret_cast<int8_t *>(smem + kMmvSmemBytes<T>);
     float *const xd = reinterpret_cast<float *>(smem + kMmvSmemBytes<T> + (a.n_in + 15) / 16 * 16);
 
@@ -216,9 +227,9 @@ __global__ void __launch_bounds__(kMmvThreads, kMmvMinBlocks) mmv_kernel(const M
             const int32_t p = p0 + t;
             xr[t] = p < p_end ? a.x + int64_t(a.rows != nullptr ? a.rows[p] : p) * a.n_in : nullptr;
         }
-        float acc[kMmvRowsPerWarp][NT];
+        float acc[R][NT];
 #pragma unroll
-        for (int j = 0; j < kMmvRowsPerWarp; ++j)
+        for (int j = 0; j < R; ++j)
 #pragma unroll
             for (int t = 0; t < NT; ++t) acc[j][t] = 0.0f;
 
@@ -236,7 +247,8 @@ __global__ void __launch_bounds__(kMmvThreads, kMmvMinBlocks) mmv_kernel(const M
             for (int k = 0; k < kChunk; ++k) v[k] = nw[k] * (v[k] * norm_scale);
         };
         if constexpr (kIntDot) {
-            if (a.int_dot) {  // uniform: the token's quants and scales into shared memory while slice 0 loads
+            // Uniform: the token's quants and scales into shared memory while slice 0 loads.
+            if (kIntDotOnly || a.int_dot) {
                 for (int64_t base = 0; base < n_chunks; base += kMmvThreads) {
                     const int64_t c = base + threadIdx.x;
                     const bool on = c < n_chunks;  // whole blocks of 4 lanes (n_in is a multiple of 32)
@@ -267,10 +279,10 @@ __global__ void __launch_bounds__(kMmvThreads, kMmvMinBlocks) mmv_kernel(const M
             }
             __syncthreads();
             const int64_t c0 = int64_t(s) * kSliceChunks<T>;
-            const uint8_t *srow[kMmvRowsPerWarp];
+            const uint8_t *srow[R];
 #pragma unroll
-            for (int j = 0; j < kMmvRowsPerWarp; ++j) {
-                const int r = warp * kMmvRowsPerWarp + j;
+            for (int j = 0; j < R; ++j) {
+                const int r = warp * R + j;
                 srow[j] = out_row(r) < n_out
                               ? smem + (s & 1) * kStageBytes<T> + r * kRowStride<T> + (slice_src(r, s) & 15)
                               : nullptr;
@@ -283,14 +295,14 @@ __global__ void __launch_bounds__(kMmvThreads, kMmvMinBlocks) mmv_kernel(const M
                 const int cl = i * kWarp + lane;
                 const bool on = c0 + cl < n_chunks;
                 if constexpr (kIntDot) {
-                    if (a.int_dot) {
+                    if (kIntDotOnly || a.int_dot) {
                         if (!on) continue;
                         // 8 weight quants (2-byte aligned in their 34-byte block) against 8 activation quants.
                         const int64_t c = c0 + cl;
                         const uint2 xv = reinterpret_cast<const uint2 *>(xq)[c];
                         const float xs = xd[c >> 2];
 #pragma unroll
-                        for (int j = 0; j < kMmvRowsPerWarp; ++j) {
+                        for (int j = 0; j < R; ++j) {
                             if (srow[j] == nullptr) continue;
                             const uint8_t *blk = srow[j] + (cl >> 2) * int64_t(sizeof(BlockQ8_0));
                             const uint16_t *q = reinterpret_cast<const uint16_t *>(blk + 2 + (cl & 3) * kChunk);
@@ -302,35 +314,37 @@ __global__ void __launch_bounds__(kMmvThreads, kMmvMinBlocks) mmv_kernel(const M
                         continue;
                     }
                 }
-                float wv[kMmvRowsPerWarp][kChunk];
+                if constexpr (!kIntDotOnly) {  // the float path
+                    float wv[R][kChunk];
 #pragma unroll
-                for (int j = 0; j < kMmvRowsPerWarp; ++j) {
-                    if (on && srow[j] != nullptr) {
-                        load_chunk<T>(srow[j], cl, wv[j]);
-                    } else {
+                    for (int j = 0; j < R; ++j) {
+                        if (on && srow[j] != nullptr) {
+                            load_chunk<T>(srow[j], cl, wv[j]);
+                        } else {
 #pragma unroll
-                        for (int k = 0; k < kChunk; ++k) wv[j][k] = 0.0f;
+                            for (int k = 0; k < kChunk; ++k) wv[j][k] = 0.0f;
+                        }
                     }
-                }
 #pragma unroll
-                for (int t = 0; t < NT; ++t) {
-                    if (xr[t] == nullptr) continue;  // uniform over the block
-                    float xv[kChunk] = {};
-                    if (on) {
-                        const float4 *xp = reinterpret_cast<const float4 *>(xr[t] + (c0 + cl) * kChunk);
-                        const float4 u = __ldg(xp), v = __ldg(xp + 1);
-                        xv[0] = u.x, xv[1] = u.y, xv[2] = u.z, xv[3] = u.w, xv[4] = v.x, xv[5] = v.y, xv[6] = v.z,
-                        xv[7] = v.w;
-                        normalise(c0 + cl, xv);
+                    for (int t = 0; t < NT; ++t) {
+                        if (xr[t] == nullptr) continue;  // uniform over the block
+                        float xv[kChunk] = {};
+                        if (on) {
+                            const float4 *xp = reinterpret_cast<const float4 *>(xr[t] + (c0 + cl) * kChunk);
+                            const float4 u = __ldg(xp), v = __ldg(xp + 1);
+                            xv[0] = u.x, xv[1] = u.y, xv[2] = u.z, xv[3] = u.w, xv[4] = v.x, xv[5] = v.y, xv[6] = v.z,
+                            xv[7] = v.w;
+                            normalise(c0 + cl, xv);
+                        }
+                        if constexpr (T != DType::F32 && T != DType::F16 && T != DType::BF16) {
+                            if (a.quant_in) quantize_chunk<kActType<T>>(xv);  // uniform over the block
+                        }
+                        if (!on) continue;
+#pragma unroll
+                        for (int j = 0; j < R; ++j)
+#pragma unroll
+                            for (int k = 0; k < kChunk; ++k) acc[j][t] = fmaf(wv[j][k], xv[k], acc[j][t]);
                     }
-                    if constexpr (T != DType::F32 && T != DType::F16 && T != DType::BF16) {
-                        if (a.quant_in) quantize_chunk<kActType<T>>(xv);  // uniform over the block
-                    }
-                    if (!on) continue;
-#pragma unroll
-                    for (int j = 0; j < kMmvRowsPerWarp; ++j)
-#pragma unroll
-                        for (int k = 0; k < kChunk; ++k) acc[j][t] = fmaf(wv[j][k], xv[k], acc[j][t]);
                 }
             }
             __syncthreads();  // the next stage() overwrites this buffer
@@ -338,19 +352,22 @@ __global__ void __launch_bounds__(kMmvThreads, kMmvMinBlocks) mmv_kernel(const M
 
 #pragma unroll
         for (int t = 0; t < NT; ++t) {
-            float v[kMmvRowsPerWarp];
+            float v[R];
 #pragma unroll
-            for (int j = 0; j < kMmvRowsPerWarp; ++j) v[j] = warp_sum(acc[j][t]);
+            for (int j = 0; j < R; ++j) v[j] = warp_sum(acc[j][t]);
             if (lane != t || p0 + t >= p_end) continue;
             const int64_t p = p0 + t;
-            if (a.glu) {
-                const int64_t row = row0 + warp;
-                if (row < n_out) a.y[0][p * n_out + row] = v[0] / (1.0f + expf(-v[0])) * v[1];
+            if (a.glu) {  // staged rows 2i, 2i + 1: output row i's gate and up
+#pragma unroll
+                for (int j = 0; j < R / 2; ++j) {
+                    const int64_t row = row0 + warp * (R / 2) + j;
+                    if (row < n_out) a.y[0][p * n_out + row] = v[2 * j] / (1.0f + expf(-v[2 * j])) * v[2 * j + 1];
+                }
                 continue;
             }
 #pragma unroll
-            for (int j = 0; j < kMmvRowsPerWarp; ++j) {
-                const int64_t row = row0 + warp * kMmvRowsPerWarp + j;
+            for (int j = 0; j < R; ++j) {
+                const int64_t row = row0 + warp * R + j;
                 if (row >= n_out) continue;
                 float *const y = a.y[z] + p * n_out + row;
                 *y = z == 0 && a.res != nullptr ? a.res[p * n_out + row] + v[j] : v[j];
@@ -363,18 +380,23 @@ template <DType T>
 void launch_mmv(MmvArgs a, int n_group, int n_parts, int max_pairs, cudaStream_t stream) {
     int64_t n_out = 0;
     for (int z = 0; z < n_parts; ++z) n_out = a.n_out[z] > n_out ? a.n_out[z] : n_out;
-    const dim3 grid(unsigned(ceil_div(n_out, a.glu ? kMmvRows / 2 : kMmvRows)), unsigned(n_group),
-                    unsigned(a.glu ? 1 : n_parts));
     a.int_dot = T == DType::Q8_0 && max_pairs <= 1 && a.quant_in && a.n_in <= kIntDotMaxIn;
+    const bool short_rows = a.int_dot && a.n_in <= int64_t(kSliceChunks<T>) * kChunk;  // one slice
+    const int rows = kMmvWarps * (short_rows ? kMmvShortRowsPerWarp : kMmvRowsPerWarp);
+    const dim3 grid(unsigned(ceil_div(n_out, a.glu ? rows / 2 : rows)), unsigned(n_group),
+                    unsigned(a.glu ? 1 : n_parts));
     const size_t smem = kMmvSmemBytes<T> + (a.int_dot ? int_dot_smem_bytes(a.n_in) : 0);
-    if (max_pairs <= 1) {
-        launch_pdl(mmv_kernel<T, 1>, grid, dim3(kMmvThreads), smem, stream, a);
+    if (short_rows) {
+        if constexpr (T == DType::Q8_0)
+            launch_pdl(mmv_kernel<T, 1, kMmvShortRowsPerWarp>, grid, dim3(kMmvThreads), smem, stream, a);
+    } else if (max_pairs <= 1) {
+        launch_pdl(mmv_kernel<T, 1, kMmvRowsPerWarp>, grid, dim3(kMmvThreads), smem, stream, a);
     } else if (max_pairs <= 2) {
-        launch_pdl(mmv_kernel<T, 2>, grid, dim3(kMmvThreads), smem, stream, a);
+        launch_pdl(mmv_kernel<T, 2, kMmvRowsPerWarp>, grid, dim3(kMmvThreads), smem, stream, a);
     } else if (max_pairs <= 4) {
-        launch_pdl(mmv_kernel<T, 4>, grid, dim3(kMmvThreads), smem, stream, a);
+        launch_pdl(mmv_kernel<T, 4, kMmvRowsPerWarp>, grid, dim3(kMmvThreads), smem, stream, a);
     } else {
-        launch_pdl(mmv_kernel<T, kMmvMaxTokens>, grid, dim3(kMmvThreads), smem, stream, a);
+        launch_pdl(mmv_kernel<T, kMmvMaxTokens, kMmvRowsPerWarp>, grid, dim3(kMmvThreads), smem, stream, a);
     }
 }
 

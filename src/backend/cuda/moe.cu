@@ -450,7 +450,8 @@ __global__ void __launch_bounds__(kMaxBlockThreads)
                 if (p.id / kWarp == i) mine = got;
             }
             const bool have = lane < a.k;
-            resolve_in_warp(r.a, have ? p.id : INT_MAX, p.weight, have ? reinterpret_cast<const void *>(mine) : nullptr);
+            const void *pick_slot = have ? reinterpret_cast<const void *>(mine) : nullptr;
+            resolve_in_warp(r.a, have ? p.id : INT_MAX, p.weight, pick_slot);
         }
     } else {
         for (int64_t tt = warp; tt < a.n_tok; tt += n_warps)
@@ -588,8 +589,9 @@ void moe_router(const MoeRouterArgs &a, const RouterSpec &spec, cudaStream_t str
         if (r.on) {
             r.a = *resolve;
             r.u = update_batch(index, data, 0, n_updates);
-            r.from_routing = a.n_tok == 1 && a.n_expert <= kFromRoutingMaxExperts && r.a.n_tok == 1 && r.a.k == a.k && r.a.n_expert == a.n_expert &&
-                             r.a.ids == a.ids && (r.a.pair_ids == nullptr || r.a.weights_in == a.weights);
+            r.from_routing = a.n_tok == 1 && a.n_expert <= kFromRoutingMaxExperts && r.a.n_tok == 1 && r.a.k == a.k &&
+                             r.a.n_expert == a.n_expert && r.a.ids == a.ids &&
+                             (r.a.pair_ids == nullptr || r.a.weights_in == a.weights);
         }
     }
     const dim3 grid(unsigned(ceil_div(a.n_expert, threads / kWarp)), unsigned(a.n_tok));
