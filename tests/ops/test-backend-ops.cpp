@@ -1060,8 +1060,15 @@ struct RouterCase : Case {
     }
     std::vector<Check> compare() override {
         if (logits_from == kSpecials) {
-            return {exact("ids", dids.download<int32_t>(), ids_ref), exact("weights", dw.download<float>(), w_ref),
-                    exact("probs", dprobs.download<float>(), probs_ref)};
+            // Bit for bit, but a NaN computed from a NaN (a biased one) may be any NaN: x86 keeps the payload, CUDA
+            // does not.
+            const auto nan_as_one = [](std::vector<float> v) {
+                for (float &x : v) x = std::isnan(x) ? NAN : x;
+                return v;
+            };
+            return {exact("ids", dids.download<int32_t>(), ids_ref),
+                    exact("weights", nan_as_one(dw.download<float>()), nan_as_one(w_ref)),
+                    exact("probs", nan_as_one(dprobs.download<float>()), nan_as_one(probs_ref))};
         }
         return {exact("ids", dids.download<int32_t>(), ids_ref), nmse("weights", dw.download<float>(), w_ref, kTight),
                 nmse("probs", dprobs.download<float>(), probs_ref, kTight)};
@@ -1471,6 +1478,10 @@ CaseList test_cases() {
     }
     add<MatmulCase>(l, DType::Q8_0, 2048, 768, 1, P::GEMV, 2);     // Q8_0 rows off 16-byte alignment
     add<MatmulCase>(l, DType::Q8_0, 256, 37, 1);                   // 16 rows a block: the last one holds 5
+    add<MatmulCase>(l, DType::Q8_0, 1024, 33, 1);                  // the widest rows of one slice
+    add<MatmulCase>(l, DType::Q8_0, 1056, 33, 1);                  // two slices: 8 rows a block
+    add<ExpertMatmulCase>(l, DType::Q8_0, 256, 40, 32, 4, 1, true);  // 16 rows a block through the expert table
+    add<MoeFfnCase>(l, DType::Q8_0, 1024, 96, 16, 4, 1, true);       // gate+up and down, both of one slice
     add<MatmulCase>(l, DType::Q8_0, 2048, 768, 100, P::CUBLAS, 6);
     add<MatmulCase>(l, DType::Q8_0, 2048, 16384, 40, P::CUBLAS);   // dequantized in two pieces
     // q/k/v in one call (heights as Qwen3-30B-A3B's 4096 / 512 / 512, scaled), both paths, other dtypes
@@ -1639,6 +1650,15 @@ CaseList test_cases() {
         add<MoeRouterResolveCase>(l, 8, 512, 60, 4, topk_softmax, 20, false);  // 32 pairs: the last of one warp
         add<MoeRouterResolveCase>(l, 8, 512, 64, 8, renorm, 40, false);       // 64 pairs: the block's scan
         add<MoeRouterResolveCase>(l, 1, 4096, 8, 2, renorm, 8, true);         // Mixtral decode: a whole step
+        // The register resolution at its edges: 8 experts a lane, lanes past the last expert, k = 32; then more
+        // experts than it takes, and nothing resident.
+        cpu::RouterSpec v3;  // DeepSeek-V3's router (groups, sigmoid, scale)
+        v3.score = cpu::RouterScore::SIGMOID, v3.n_group = 8, v3.n_group_used = 4, v3.renorm = true, v3.scale = 2.5f;
+        add<MoeRouterResolveCase>(l, 1, 256, 256, 8, v3, 64, false);
+        add<MoeRouterResolveCase>(l, 1, 256, 60, 4, renorm, 60, true);
+        add<MoeRouterResolveCase>(l, 1, 256, 32, 32, renorm, 32, true);
+        add<MoeRouterResolveCase>(l, 1, 256, 288, 8, renorm, 64, false);
+        add<MoeRouterResolveCase>(l, 1, 256, 8, 2, renorm, 0, false);
     }
     {
         cpu::RouterSpec v3;  // DeepSeek-V3: sigmoid, selection bias, 8 groups keep 4, renorm, scale 2.5
@@ -1658,6 +1678,13 @@ CaseList test_cases() {
         raw.score = cpu::RouterScore::LOGITS;
         add<RouterCase>(l, 6, 32, 32, raw, false, RouterCase::kSpecials);   // every rank: NaN last, -0 = +0
         add<RouterCase>(l, 3, 256, 16, raw, false, RouterCase::kSpecials);  // 8 a lane
+        cpu::RouterSpec raw_groups = raw;  // the special values through the group choice
+        raw_groups.n_group = 8, raw_groups.n_group_used = 4;
+        add<RouterCase>(l, 6, 256, 8, raw_groups, true, RouterCase::kSpecials);
+        raw_groups.n_group = 4, raw_groups.n_group_used = 2;
+        add<RouterCase>(l, 9, 8, 8, raw_groups, true, RouterCase::kSpecials);
+        raw_groups.n_group = 32, raw_groups.n_group_used = 7;
+        add<RouterCase>(l, 5, 1024, 32, raw_groups, false, RouterCase::kSpecials);
     }
 
     for (const char *name : {"swiglu", "swiglu_oai", "add", "scale_add", "add_bias"}) {

@@ -161,6 +161,9 @@ template <DType T, int NT, int R>
 __global__ void __launch_bounds__(kMmvThreads, kMmvMinBlocks) mmv_kernel(const MmvArgs a) {
     constexpr int kRows = kMmvWarps * R;
     static_assert(kRows * kRowStride<T> <= kMmvSmemBytes<T>);
+    constexpr bool kIntDot = T == DType::Q8_0 && NT == 1;
+    constexpr bool kIntDotOnly = R != kMmvRowsPerWarp;  // short rows: launched with int_dot only (no float path)
+    static_assert(!kIntDotOnly || kIntDot);
     extern __shared__ __align__(16) uint8_t smem[];
     __shared__ float norm_scratch[kWarp];
     // The block's kRows staged rows: rows row0 .. row0 + kRows - 1 of part z, or (glu) gate and up rows alternating, so
@@ -180,7 +183,9 @@ __global__ void __launch_bounds__(kMmvThreads, kMmvMinBlocks) mmv_kernel(const M
     const auto out_row = [&](int r) { return a.glu ? row0 + r / 2 : row0 + r; };  // staged row r's output row
     const size_t rb = row_bytes(T, a.n_in);
     const int64_t n_chunks = a.n_in / kChunk;
-    const int n_slices = int(ceil_div(n_chunks, kSliceChunks<T>));
+    // Short rows (kIntDotOnly) are one slice by launch_mmv's choice; at most one here too, so that no stage is ever
+    // written past the room of the two.
+    const int n_slices = kIntDotOnly ? 1 : int(ceil_div(n_chunks, kSliceChunks<T>));
     const int warp = int(threadIdx.x) / kWarp, lane = int(threadIdx.x) % kWarp;
 
     // Slice s of staged row r starts at this address in global memory.
@@ -214,9 +219,6 @@ __global__ void __launch_bounds__(kMmvThreads, kMmvMinBlocks) mmv_kernel(const M
     if (!own_operands) w0 = matrix(a.glu ? 0 : z), w1 = a.glu ? matrix(1) : w0;  // the expert table, after the wait
     pdl_trigger();  // the next kernel may launch (and wait) once every block got here or returned
 
-    constexpr bool kIntDot = T == DType::Q8_0 && NT == 1;
-    constexpr bool kIntDotOnly = R != kMmvRowsPerWarp;  // short rows: launched with int_dot only (no float path)
-    static_assert(!kIntDotOnly || kIntDot);
     int8_t *const xq = reinterpret_cast<int8_t *>(smem + kMmvSmemBytes<T>);
     float *const xd = reinterpret_cast<float *>(smem + kMmvSmemBytes<T> + (a.n_in + 15) / 16 * 16);
 
