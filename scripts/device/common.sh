@@ -34,6 +34,16 @@ run_bin() {
     if [ -n "$RUN_LIBS" ]; then LD_LIBRARY_PATH=$RUN_LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} "$@"; else "$@"; fi
 }
 
+# run_traced CSV cmd...: runs cmd (as run_bin) under the CUPTI tracer of build-gpu (bench/profile/cupti-trace.cpp,
+# target prescope-cupti-trace), which writes every kernel and copy to CSV.
+run_traced() {
+    local csv=$1 cupti
+    shift
+    cupti=$(dirname "$(find / -name 'libcupti.so*' -not -path '/proc/*' 2> /dev/null | head -1)")
+    CUDA_INJECTION64_PATH=$PWD/build-gpu/bin/libprescope-cupti-trace.so PRESCOPE_TRACE_OUT=$csv \
+        LD_LIBRARY_PATH=$cupti${RUN_LIBS:+:$RUN_LIBS}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} "$@"
+}
+
 # Installs the wheels of folder $1 (the gguf wheel the GPU machine lacks, for the model writer) into /tmp/site and
 # puts that on PYTHONPATH; nothing when the folder holds none.
 setup_carried_wheels() {

@@ -18,10 +18,8 @@ say() { echo "[kernel_times] $*" | tee -a "$OUT/summary.txt"; }
 source scripts/device/common.sh
 setup_carried_debs .carry/debs
 build_prescope build-gpu test-backend-ops prescope-cupti-trace || exit 1
-CUPTI_DIR=$(dirname "$(find / -name 'libcupti.so*' -not -path '/proc/*' 2> /dev/null | head -1)")
-CUDA_INJECTION64_PATH=$PWD/build-gpu/bin/libprescope-cupti-trace.so PRESCOPE_TRACE_OUT=/tmp/kernel-times.csv \
-    LD_LIBRARY_PATH=$CUPTI_DIR${RUN_LIBS:+:$RUN_LIBS}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} \
-    timeout 300 build-gpu/bin/test-backend-ops perf -o "$OPS" ${VARS:+-p "$VARS"} > "$OUT/perf.log" 2>&1
+run_traced /tmp/kernel-times.csv timeout 300 build-gpu/bin/test-backend-ops perf -o "$OPS" ${VARS:+-p "$VARS"} \
+    > "$OUT/perf.log" 2>&1
 say "test-backend-ops perf -o $OPS ${VARS:+-p '$VARS' }under the tracer: exit $?"
 # K,start,end,stream,0,0,"name": duration per name (ns -> us)
 awk -F, '$1 == "K" { n = $0; sub(/^[^"]*"/, "", n); sub(/"$/, "", n); sub(/\(.*/, "", n); d = ($3 - $2) / 1000;

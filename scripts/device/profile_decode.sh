@@ -46,13 +46,10 @@ if [ -n "${GPU_TESTS:-}" ]; then
     grep -E '^\[  FAILED  \] [A-Za-z]' "$OUT/test-gpu.log" | head -10 | tee -a "$OUT/summary.txt"
 fi
 
-CUPTI_DIR=$(dirname "$(find / -name 'libcupti.so*' -not -path '/proc/*' 2> /dev/null | head -1)")
-TRACER=$PWD/build-gpu/bin/libprescope-cupti-trace.so
 traced() {  # traced NAME cmd...: runs cmd under the tracer, summarises into $OUT/NAME-timeline.{txt,json}
     local name=$1
     shift
-    CUDA_INJECTION64_PATH=$TRACER PRESCOPE_TRACE_OUT=/tmp/$name.csv \
-        LD_LIBRARY_PATH=$CUPTI_DIR${RUN_LIBS:+:$RUN_LIBS}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} "$@"
+    run_traced "/tmp/$name.csv" "$@"
     local rc=$?
     python3 bench/profile/timeline.py /tmp/$name.csv --json "$OUT/$name-timeline.json" > "$OUT/$name-timeline.txt" 2>&1
     say "$name: exit $rc; $(head -1 "$OUT/$name-timeline.txt")"

@@ -164,6 +164,7 @@ __global__ void __launch_bounds__(kMmvThreads, kMmvMinBlocks) mmv_kernel(const M
     constexpr bool kIntDot = T == DType::Q8_0 && NT == 1;
     constexpr bool kIntDotOnly = R != kMmvRowsPerWarp;  // short rows: launched with int_dot only (no float path)
     static_assert(!kIntDotOnly || kIntDot);
+    const bool int_dot = kIntDotOnly || a.int_dot;  // the integer path (taken only where kIntDot)
     extern __shared__ __align__(16) uint8_t smem[];
     __shared__ float norm_scratch[kWarp];
     // The block's kRows staged rows: rows row0 .. row0 + kRows - 1 of part z, or (glu) gate and up rows alternating, so
@@ -250,7 +251,7 @@ __global__ void __launch_bounds__(kMmvThreads, kMmvMinBlocks) mmv_kernel(const M
         };
         if constexpr (kIntDot) {
             // Uniform: the token's quants and scales into shared memory while slice 0 loads.
-            if (kIntDotOnly || a.int_dot) {
+            if (int_dot) {
                 for (int64_t base = 0; base < n_chunks; base += kMmvThreads) {
                     const int64_t c = base + threadIdx.x;
                     const bool on = c < n_chunks;  // whole blocks of 4 lanes (n_in is a multiple of 32)
@@ -297,7 +298,7 @@ __global__ void __launch_bounds__(kMmvThreads, kMmvMinBlocks) mmv_kernel(const M
                 const int cl = i * kWarp + lane;
                 const bool on = c0 + cl < n_chunks;
                 if constexpr (kIntDot) {
-                    if (kIntDotOnly || a.int_dot) {
+                    if (int_dot) {
                         if (!on) continue;
                         // 8 weight quants (2-byte aligned in their 34-byte block) against 8 activation quants.
                         const int64_t c = c0 + cl;

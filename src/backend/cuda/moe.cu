@@ -26,8 +26,10 @@ __device__ __forceinline__ uint32_t order_bits(float x) {
     return isnan(x) ? 1u : x == 0.0f ? 0x80000000u : (u & 0x80000000u) ? ~u : u | 0x80000000u;
 }
 
+/// The key of expert `id` (0..1023) with order bits `bits` (order_bits, or 0: picked or none).
 __device__ __forceinline__ uint64_t rank_key(uint32_t bits, int id) { return uint64_t(bits) << 32 | uint32_t(~id); }
 
+/// The key of expert `id` with value x.
 __device__ __forceinline__ uint64_t rank_key(float x, int id) { return rank_key(order_bits(x), id); }
 
 /// The id of a rank_key.

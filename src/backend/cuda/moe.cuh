@@ -98,7 +98,8 @@ void resolve_device_hits(const DeviceHitsArgs &args, const int32_t *index, const
 /// h = rms_norm(x, norm, eps); logits = h W^T; ids, weights = router_topk(logits, spec): bit for bit those three
 /// calls (rms_norm; matmul's GEMV path, F32 weights; router_topk without probs). n_tok in
 /// [1, kMoeRouterMaxTokens], n_embd a multiple of 8 and at most kMoeRouterMaxEmbd (else throws Error), w 16-byte
-/// aligned; n_expert, k and spec as router_topk requires (else throws Error). Calls on one counter must not overlap (one stream). Asynchronous on `stream`.
+/// aligned; n_expert, k and spec as router_topk requires (else throws Error). Calls on one counter must not overlap
+/// (one stream). Asynchronous on `stream`.
 /// With `resolve`, then resolve_device_hits(*resolve, index, data, n_updates) (its ids and weights_in may be the
 /// ones this call writes): in the router's own launch, by its last block, when the updates fit one batch (64) and
 /// n_expert <= 4 x the block (row_threads(n_embd)); else as resolve_device_hits' own launches after it. The
